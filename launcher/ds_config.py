@@ -1,0 +1,522 @@
+"""Compose the DeepSpeed dict: a pure function of (config, world size, model dimensions, device).
+
+No torch, no deepspeed, no I/O. Everything DeepSpeed would accept silently but wrongly (parameter
+offload below stage 3, "auto" strings, unknown top-level keys, fp16 and bf16 together, batch sizes
+that do not multiply out) is rejected here with a one-line `LauncherError` that names the key and
+the fix. `launcher.validate` runs DeepSpeed's own pydantic models on the result as a second check.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from launcher.errors import LauncherError
+
+# Every top-level key DeepSpeed 0.19 reads (tests check each against DeepSpeed's source). DeepSpeed
+# ignores any other top-level key without a word, so a typo would silently change nothing.
+KNOWN_TOP_LEVEL_KEYS = frozenset(
+    {
+        "activation_checkpointing", "aio", "amp", "autotuning", "bf16", "bfloat16", "checkpoint",
+        "comet", "comms_logger", "communication_data_type", "compile", "compression_training",
+        "csv_monitor", "curriculum_learning", "data_efficiency", "data_types", "dataloader_drop_last",
+        "disable_allgather", "disable_python_gc", "dump_state", "eigenvalue", "elasticity",
+        "flops_profiler", "fp16", "gradient_accumulation_steps", "gradient_allreduce_op",
+        "gradient_clipping", "gradient_predivide_factor", "graph_harvesting", "hybrid_engine",
+        "log_level", "managed_gradient_accumulation", "memory_breakdown", "nebula", "optimizer",
+        "pipeline", "prescale_gradients", "progressive_layer_drop", "quantize_training", "scheduler",
+        "seq_parallel_communication_data_type", "sequence_parallel_size", "sparse_attention",
+        "sparse_gradients", "steps_per_print", "tensor_parallel", "tensorboard", "timers",
+        "torch_autocast", "train_batch_size", "train_micro_batch_size_per_gpu",
+        "use_data_before_expert_parallelism", "wall_clock_breakdown", "wandb", "weight_quantization",
+        "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "zero_optimization",
+    }
+)  # fmt: skip
+
+PRECISIONS = ("fp32", "bf16", "fp16", "auto")
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+COMM_KEYS = (
+    "overlap_comm",
+    "contiguous_gradients",
+    "reduce_scatter",
+    "allgather_partitions",
+    "reduce_bucket_size",
+    "allgather_bucket_size",
+    "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+)
+STAGE3_ZERO_KEYS = (
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+    "stage3_gather_16bit_weights_on_model_save",
+    "sub_group_size",
+)
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+# Which config group owns which part of the DeepSpeed dict. When a `deepspeed_json` base is given,
+# a group named on the command line replaces the base's keys that it owns.
+OWNERS: dict[str, str] = {
+    "zero_optimization.stage": "zero",
+    **{f"zero_optimization.{key}": "zero" for key in STAGE3_ZERO_KEYS},
+    "zero_optimization.offload_optimizer": "offload",
+    "zero_optimization.offload_param": "offload",
+    **{f"zero_optimization.{key}": "comm" for key in COMM_KEYS},
+    "fp16": "precision",
+    "bf16": "precision",
+    **{key: "train" for key in (*BATCH_KEYS, "gradient_clipping", "optimizer", "scheduler")},
+}
+# Blocks taken whole from the base when it has them: their params depend on their "type".
+ATOMIC_BLOCKS = ("optimizer", "scheduler")
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the training device can do; `launcher.validate.detect_device` fills it in."""
+
+    kind: str  # "cpu" or "cuda"
+    bf16: bool
+    fp16: bool
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    micro: int
+    accum: int
+    total: int  # micro x accum x world size: what DeepSpeed calls train_batch_size
+
+
+def resolve_batch_sizes(micro: int | None, accum: int | None, total: int | None, world_size: int) -> BatchSizes:
+    """Derive the missing one of (micro batch per device, accumulation steps, global batch).
+
+    total = micro x accum x world_size. Any two determine the third; micro alone means accum=1.
+    """
+    if world_size < 1:
+        raise LauncherError(f"world size must be at least 1, got {world_size}")
+    for key, value in (
+        ("train.micro_batch_size", micro),
+        ("train.grad_accum", accum),
+        ("train.global_batch_size", total),
+    ):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise LauncherError(f"{key}={value} must be a positive integer")
+    if micro is not None and accum is None and total is None:
+        accum = 1
+    if micro is not None and accum is not None:
+        if total is not None and total != micro * accum * world_size:
+            raise LauncherError(
+                f"inconsistent batch sizes: train.global_batch_size={total} but train.micro_batch_size="
+                f"{micro} x train.grad_accum={accum} x world size {world_size} = {micro * accum * world_size};"
+                " give only two of the three"
+            )
+        return BatchSizes(micro, accum, micro * accum * world_size)
+    if total is None:
+        raise LauncherError(
+            "batch size is underdetermined: give two of train.micro_batch_size, train.grad_accum and "
+            "train.global_batch_size"
+        )
+    known_key, known = ("train.micro_batch_size", micro) if micro is not None else ("train.grad_accum", accum)
+    if known is None:
+        raise LauncherError(
+            "batch size is underdetermined: with train.global_batch_size also give train.micro_batch_size "
+            "or train.grad_accum"
+        )
+    if total % (known * world_size):
+        raise LauncherError(
+            f"train.global_batch_size={total} is not divisible by {known_key}={known} x world size "
+            f"{world_size} = {known * world_size}; pick a global batch that is a multiple of it"
+        )
+    other = total // (known * world_size)
+    if micro is not None:
+        return BatchSizes(micro=known, accum=other, total=total)
+    return BatchSizes(micro=other, accum=known, total=total)
+
+
+def resolve_precision(requested: str, device: Device) -> str:
+    """Map the precision group's dtype to fp32/bf16/fp16, refusing what the device cannot do."""
+    if requested not in PRECISIONS:
+        raise LauncherError(f"precision.dtype={requested} is unknown: use one of {', '.join(PRECISIONS)}")
+    if requested == "auto":
+        if device.bf16:
+            return "bf16"
+        return "fp16" if device.kind != "cpu" and device.fp16 else "fp32"
+    if requested == "fp16" and not device.fp16:
+        raise LauncherError(
+            f"precision=fp16 is not supported on this {device.kind} {device.name}".rstrip()
+            + ": use precision=bf16 or precision=fp32"
+        )
+    if requested == "bf16" and not device.bf16:
+        alternative = "precision=fp16 or precision=fp32" if device.fp16 else "precision=fp32"
+        raise LauncherError(
+            f"precision=bf16 is not supported on this {device.kind} {device.name}".rstrip() + f": use {alternative}"
+        )
+    return requested
+
+
+def derived_bucket_sizes(hidden_size: int) -> dict[str, int]:
+    """Bucket sizes for `comm=default`, scaled to the language model's hidden size h.
+
+    A bucket of h*h elements holds about one projection matrix; prefetching 0.9 of that keeps one
+    layer in flight at stage 3; parameters under 10*h elements (norms, biases) are small enough to
+    keep unpartitioned. Integers: DeepSpeed rejects fractional sizes.
+    """
+    if hidden_size < 1:
+        raise LauncherError(f"model hidden size must be positive, got {hidden_size}")
+    h = hidden_size
+    return {
+        "reduce_bucket_size": h * h,
+        "allgather_bucket_size": h * h,
+        "stage3_prefetch_bucket_size": round(0.9 * h * h),
+        "stage3_param_persistence_threshold": 10 * h,
+    }
+
+
+def _check_train(train: Mapping[str, Any]) -> None:
+    positive = ("max_steps", "lr", "log_every")
+    non_negative = ("weight_decay", "warmup_steps", "grad_clip", "eval_every", "save_every", "eps")
+    for key in positive:
+        if not train[key] > 0:
+            raise LauncherError(f"train.{key}={train[key]} must be positive")
+    for key in non_negative:
+        if train[key] < 0:
+            raise LauncherError(f"train.{key}={train[key]} must not be negative")
+    if train["warmup_steps"] >= train["max_steps"]:
+        raise LauncherError(
+            f"train.warmup_steps={train['warmup_steps']} must be below train.max_steps={train['max_steps']}"
+        )
+    if not 0 <= train["min_lr_ratio"] <= 1:
+        raise LauncherError(f"train.min_lr_ratio={train['min_lr_ratio']} must lie in [0, 1]")
+
+
+def _offload_block(device: str, offload: Mapping[str, Any], *, param: bool) -> dict[str, Any]:
+    if device not in OFFLOAD_DEVICES:
+        which = "param" if param else "optimizer"
+        raise LauncherError(f"offload.{which}={device} is unknown: use one of {', '.join(OFFLOAD_DEVICES)}")
+    block: dict[str, Any] = {"device": device, "pin_memory": bool(offload["pin_memory"])}
+    if device == "nvme":
+        block["nvme_path"] = offload["nvme_path"]
+        if param:
+            block["buffer_count"] = offload["buffer_count"]
+            block["buffer_size"] = offload["buffer_size"]
+            block["max_in_cpu"] = offload["max_in_cpu"]
+    return block
+
+
+def _composed(cfg: Mapping[str, Any], batch: BatchSizes, dtype: str, hidden_size: int) -> dict[str, Any]:
+    """The dict the groups alone describe (no base JSON, no extra)."""
+    zero, comm, offload, train = cfg["zero"], cfg["comm"], cfg["offload"], cfg["train"]
+    stage = zero["stage"]
+    if stage not in (0, 1, 2, 3):
+        raise LauncherError(f"zero.stage={stage} is unknown: use zero=stage0, stage1, stage2 or stage3")
+    zero_block: dict[str, Any] = {"stage": stage}
+    if stage > 0:
+        buckets = derived_bucket_sizes(hidden_size)
+        for key in COMM_KEYS:
+            if stage < 3 and key.startswith("stage3_"):
+                continue
+            if stage == 3 and key in ("allgather_bucket_size", "allgather_partitions", "reduce_scatter"):
+                continue  # stage 3 gathers by prefetch buckets instead
+            value = comm[key]
+            zero_block[key] = buckets[key] if value is None else value
+    if stage == 3:
+        zero_block.update({key: zero[key] for key in STAGE3_ZERO_KEYS})
+    if offload["optimizer"] != "none":
+        zero_block["offload_optimizer"] = _offload_block(offload["optimizer"], offload, param=False)
+    if offload["param"] != "none":
+        zero_block["offload_param"] = _offload_block(offload["param"], offload, param=True)
+
+    fp16: dict[str, Any] = {"enabled": dtype == "fp16"}
+    if dtype == "fp16":
+        precision = cfg["precision"]
+        fp16.update(
+            {
+                key: precision[key]
+                for key in (
+                    "loss_scale",
+                    "initial_scale_power",
+                    "loss_scale_window",
+                    "hysteresis",
+                    "min_loss_scale",
+                )
+            }
+        )
+    return {
+        "train_batch_size": batch.total,
+        "train_micro_batch_size_per_gpu": batch.micro,
+        "gradient_accumulation_steps": batch.accum,
+        "gradient_clipping": float(train["grad_clip"]),
+        "steps_per_print": train["log_every"],
+        "wall_clock_breakdown": False,
+        "zero_optimization": zero_block,
+        "fp16": fp16,
+        "bf16": {"enabled": dtype == "bf16"},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": float(train["lr"]),
+                "betas": [float(b) for b in train["betas"]],
+                "eps": float(train["eps"]),
+                "weight_decay": float(train["weight_decay"]),
+            },
+        },
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {
+                "total_num_steps": train["max_steps"],
+                "warmup_num_steps": train["warmup_steps"],
+                "warmup_min_ratio": 0.0,
+                "cos_min_ratio": float(train["min_lr_ratio"]),
+                "warmup_type": "linear",
+            },
+        },
+    }
+
+
+def _fill_table(cfg: Mapping[str, Any], batch: BatchSizes, dtype: str, hidden_size: int) -> dict[str, Any]:
+    """Values for "auto"/null leaves of a base JSON, keyed by dotted path (scheduler params by name)."""
+    train = cfg["train"]
+    buckets = derived_bucket_sizes(hidden_size)
+    return {
+        "train_batch_size": batch.total,
+        "train_micro_batch_size_per_gpu": batch.micro,
+        "gradient_accumulation_steps": batch.accum,
+        "gradient_clipping": float(train["grad_clip"]),
+        "fp16.enabled": dtype == "fp16",
+        "bf16.enabled": dtype == "bf16",
+        **{f"zero_optimization.{key}": value for key, value in buckets.items()},
+        "optimizer.params.lr": float(train["lr"]),
+        "optimizer.params.betas": [float(b) for b in train["betas"]],
+        "optimizer.params.eps": float(train["eps"]),
+        "optimizer.params.weight_decay": float(train["weight_decay"]),
+        # Scheduler params, whatever the scheduler type of the base file.
+        "scheduler.params.total_num_steps": train["max_steps"],
+        "scheduler.params.warmup_num_steps": train["warmup_steps"],
+        "scheduler.params.warmup_max_lr": float(train["lr"]),
+        "scheduler.params.warmup_min_lr": 0.0,
+        "scheduler.params.warmup_min_ratio": 0.0,
+        "scheduler.params.cos_min_ratio": float(train["min_lr_ratio"]),
+    }
+
+
+def _leaves(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            yield from _leaves(value, path + ".")
+        else:
+            yield path, value
+
+
+def _get(tree: Mapping[str, Any], path: str, default: Any = None) -> Any:
+    node: Any = tree
+    for part in path.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def _set(tree: dict[str, Any], path: str, value: Any) -> None:
+    *parents, last = path.split(".")
+    for part in parents:
+        child = tree.get(part)
+        if not isinstance(child, dict):
+            child = tree[part] = {}
+        tree = child
+    tree[last] = value
+
+
+def _delete(tree: dict[str, Any], path: str) -> None:
+    *parents, last = path.split(".")
+    for part in parents:
+        tree = tree.get(part)
+        if not isinstance(tree, dict):
+            return
+    tree.pop(last, None)
+
+
+def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """A new dict: `override` merged into `base`, recursively for nested mappings."""
+    merged = copy.deepcopy(dict(base))
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def _is_unset(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and value.lower() == "auto")
+
+
+def _merge_onto_base(
+    base: Mapping[str, Any],
+    composed: dict[str, Any],
+    fill: Mapping[str, Any],
+    explicit_groups: frozenset[str],
+    source: str,
+) -> dict[str, Any]:
+    """Start from a user's DeepSpeed JSON: groups named on the command line replace what they own;
+    otherwise the composition only fills keys the base lacks or leaves "auto"/null."""
+    merged = copy.deepcopy(dict(base))
+    for path, group in OWNERS.items():
+        if group in explicit_groups:
+            _delete(merged, path)
+    for block in ATOMIC_BLOCKS:
+        if block in merged:
+            if "train" in explicit_groups:  # train.lr etc. given on the command line win
+                for path, value in fill.items():
+                    if path.startswith(block + ".") and _get(merged, path, "absent") != "absent":
+                        _set(merged, path, copy.deepcopy(value))
+            composed = {key: value for key, value in composed.items() if key != block}
+    for path, value in _leaves(composed):
+        if _is_unset(_get(merged, path)):
+            _set(merged, path, copy.deepcopy(value))
+    for path, value in list(_leaves(merged)):
+        if _is_unset(value):
+            if path not in fill:
+                raise LauncherError(f'{source}: cannot fill "{value}" at {path}; set a value there or remove the key')
+            _set(merged, path, copy.deepcopy(fill[path]))
+    return merged
+
+
+def check_ds_config(ds: Mapping[str, Any], *, world_size: int, device: Device) -> None:
+    """Rules between keys of the final dict, whichever source (groups, base JSON, extra) set them."""
+    unknown = sorted(set(ds) - KNOWN_TOP_LEVEL_KEYS)
+    if unknown:
+        raise LauncherError(
+            f"unknown DeepSpeed key {unknown[0]!r} (from deepspeed_extra or deepspeed_json); DeepSpeed would "
+            "silently ignore it: check the spelling against the DeepSpeed config docs"
+        )
+    for path, value in _leaves(ds):
+        if isinstance(value, str) and value.lower() == "auto":
+            raise LauncherError(f'{path}="auto" would be silently dropped by DeepSpeed: give a value')
+
+    total, micro, accum = (ds.get(key) for key in BATCH_KEYS)
+    for key, value in zip(BATCH_KEYS, (total, micro, accum), strict=True):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise LauncherError(f"{key}={value} must be a positive integer")
+    if total != micro * accum * world_size:
+        raise LauncherError(
+            f"inconsistent batch sizes: train_batch_size={total} but train_micro_batch_size_per_gpu={micro} "
+            f"x gradient_accumulation_steps={accum} x world size {world_size} = {micro * accum * world_size}"
+        )
+
+    fp16 = bool(_get(ds, "fp16.enabled", False))
+    bf16 = bool(_get(ds, "bf16.enabled", False)) or bool(_get(ds, "bfloat16.enabled", False))
+    if fp16 and bf16:
+        raise LauncherError(
+            "fp16 and bf16 are both enabled (check precision=, deepspeed_extra and deepspeed_json): enable one of them"
+        )
+    if fp16:
+        resolve_precision("fp16", device)
+    if bf16:
+        resolve_precision("bf16", device)
+
+    zero = ds.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    offload_param = (zero.get("offload_param") or {}).get("device", "none")
+    offload_optimizer = (zero.get("offload_optimizer") or {}).get("device", "none")
+    if offload_param not in OFFLOAD_DEVICES or offload_optimizer not in OFFLOAD_DEVICES:
+        raise LauncherError(
+            f"offload device must be one of {', '.join(OFFLOAD_DEVICES)}, got "
+            f"optimizer={offload_optimizer}, param={offload_param}"
+        )
+    if offload_param != "none" and stage < 3:
+        raise LauncherError(
+            f"parameter offload (offload_param.device={offload_param}) needs ZeRO stage 3, but zero stage is "
+            f"{stage}: use zero=stage3 (or deepspeed=z3_offload), or offload=optimizer"
+        )
+    if offload_optimizer == "nvme" and stage < 3:
+        raise LauncherError(
+            f"NVMe optimizer offload needs ZeRO stage 3, but zero stage is {stage}: use zero=stage3 "
+            "(deepspeed=z3_nvme), or offload=optimizer for CPU offload"
+        )
+    if offload_optimizer != "none" and stage == 0:
+        raise LauncherError(
+            "optimizer offload needs ZeRO stage 1, 2 or 3, but zero stage is 0: use zero=stage2 "
+            "(deepspeed=z2_offload) or offload=none"
+        )
+    for which in ("offload_param", "offload_optimizer"):
+        block = zero.get(which) or {}
+        if block.get("device") == "nvme" and not block.get("nvme_path"):
+            raise LauncherError(
+                f"{which}.device=nvme needs a directory: set offload.nvme_path=/path/on/a/local/nvme/disk"
+            )
+    for key in COMM_KEYS:
+        value = zero.get(key)
+        if key.endswith("_size") or key.endswith("_threshold"):
+            if value is not None and (isinstance(value, bool) or not float(value).is_integer()):
+                raise LauncherError(f"zero_optimization.{key}={value} must be a whole number of elements")
+            if value is not None and value < (0 if key.endswith("_threshold") else 1):
+                raise LauncherError(f"zero_optimization.{key}={value} must be positive")
+    clip = ds.get("gradient_clipping", 0)
+    if not isinstance(clip, int | float) or clip < 0:
+        raise LauncherError(f"gradient_clipping={clip} must be a non-negative number (0 disables clipping)")
+
+
+def build_ds_config(
+    cfg: Mapping[str, Any],
+    *,
+    world_size: int,
+    hidden_size: int,
+    device: Device,
+    base: Mapping[str, Any] | None = None,
+    base_source: str = "deepspeed_json",
+    explicit_groups: frozenset[str] = frozenset(),
+) -> dict[str, Any]:
+    """The validated DeepSpeed dict for a composed config (as a plain dict).
+
+    `hidden_size` is the language model's hidden size (for bucket sizes). `base` is a user's own
+    DeepSpeed JSON; `explicit_groups` are the groups named on the command line, which override it.
+    """
+    _check_train(cfg["train"])
+    train = cfg["train"]
+    batch = resolve_batch_sizes(train["micro_batch_size"], train["grad_accum"], train["global_batch_size"], world_size)
+    dtype = resolve_precision(cfg["precision"]["dtype"], device)
+    composed = _composed(cfg, batch, dtype, hidden_size)
+    if base is not None:
+        unknown = sorted(set(base) - KNOWN_TOP_LEVEL_KEYS)
+        if unknown:
+            raise LauncherError(
+                f"{base_source}: unknown DeepSpeed key {unknown[0]!r}; DeepSpeed would silently ignore it: "
+                "fix or remove it"
+            )
+        composed = _merge_onto_base(
+            base, composed, _fill_table(cfg, batch, dtype, hidden_size), explicit_groups, base_source
+        )
+    extra = cfg.get("deepspeed_extra") or {}
+    unknown = sorted(set(extra) - KNOWN_TOP_LEVEL_KEYS)
+    if unknown:
+        raise LauncherError(
+            f"deepspeed_extra.{unknown[0]} is not a DeepSpeed key; DeepSpeed would silently ignore it: "
+            "check the spelling against the DeepSpeed config docs"
+        )
+    final = deep_merge(composed, extra)
+    check_ds_config(final, world_size=world_size, device=device)
+    return final
+
+
+def precision_of(ds: Mapping[str, Any]) -> str:
+    """The training dtype a final DeepSpeed dict selects."""
+    if _get(ds, "fp16.enabled", False):
+        return "fp16"
+    if _get(ds, "bf16.enabled", False) or _get(ds, "bfloat16.enabled", False):
+        return "bf16"
+    return "fp32"
+
+
+def explicit_groups_from_overrides(overrides: list[str]) -> frozenset[str]:
+    """Groups the user named on the command line (a `deepspeed=` preset names zero and offload)."""
+    groups: set[str] = set()
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        top = key.split(".", 1)[0].split("@", 1)[0]
+        if top == "deepspeed":
+            groups.update(("zero", "offload"))
+        elif top in ("zero", "precision", "offload", "comm", "train"):
+            groups.add(top)
+    return frozenset(groups)

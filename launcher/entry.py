@@ -1,0 +1,130 @@
+"""What `train.py` runs once Hydra has composed the config: plan the job, then train or stop.
+
+Order of work: compose the DeepSpeed dict (pure) and validate it (DeepSpeed's own models), write it
+into the run directory, then hand over to the ranks. Every problem a user can fix ends here as one
+line on stderr and exit code 2 (or, inside a sweep, as a failed job the sweep records and passes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from launcher.errors import LauncherError
+from launcher.rundir import JOB_FILE, write_failed_summary, write_json_atomic
+
+
+def strip_local_rank_argument(argv: list[str] | None = None) -> None:
+    """Move DeepSpeed's `--local_rank=N` (which Hydra's parser rejects) into LOCAL_RANK."""
+    argv = sys.argv if argv is None else argv
+    kept: list[str] = []
+    skip_next = False
+    for index, arg in enumerate(argv):
+        if skip_next:
+            skip_next = False
+            continue
+        if arg.startswith("--local_rank=") or arg.startswith("--local-rank="):
+            os.environ.setdefault("LOCAL_RANK", arg.split("=", 1)[1])
+        elif arg in ("--local_rank", "--local-rank") and index + 1 < len(argv):
+            os.environ.setdefault("LOCAL_RANK", argv[index + 1])
+            skip_next = True
+        else:
+            kept.append(arg)
+    argv[:] = kept
+
+
+def _hydra_context() -> dict[str, Any]:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    return {
+        "run_dir": run_dir,
+        "multirun": multirun,
+        "overrides": list(hydra_cfg.overrides.task),
+        "choices": {k: v for k, v in hydra_cfg.runtime.choices.items() if not k.startswith("hydra")},
+        # All jobs of one sweep share a W&B group; a single run is its own group.
+        "group": f"sweep-{Path(hydra_cfg.sweep.dir).parent.name}-{Path(hydra_cfg.sweep.dir).name}"
+        if multirun
+        else f"run-{run_dir.parent.name}-{run_dir.name}",
+    }
+
+
+def load_deepspeed_json(path: str) -> dict[str, Any]:
+    """A user's existing DeepSpeed JSON, the base of the composition."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise LauncherError(f"deepspeed_json={path}: no such file")
+    try:
+        base = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise LauncherError(
+            f"deepspeed_json={path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})"
+        ) from None
+    if not isinstance(base, dict):
+        raise LauncherError(f"deepspeed_json={path}: expected a JSON object at the top level")
+    return base
+
+
+def plan_deepspeed(cfg: DictConfig, overrides: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The final, validated DeepSpeed dict for this job, and facts about the job it depends on."""
+    from launcher.ds_config import build_ds_config, explicit_groups_from_overrides
+    from launcher.validate import check_paths, detect_device, model_hidden_size, validate_with_deepspeed
+
+    container = OmegaConf.to_container(cfg, resolve=True)
+    world_size = cfg.dist.nproc_per_node * cfg.dist.nnodes
+    if world_size < 1:
+        raise LauncherError(
+            f"dist.nproc_per_node={cfg.dist.nproc_per_node} x dist.nnodes={cfg.dist.nnodes} must be positive"
+        )
+    device = detect_device()
+    hidden_size = model_hidden_size(cfg.model)
+    base = load_deepspeed_json(cfg.deepspeed_json) if cfg.deepspeed_json else None
+    ds = build_ds_config(
+        container,
+        world_size=world_size,
+        hidden_size=hidden_size,
+        device=device,
+        base=base,
+        base_source=f"deepspeed_json={cfg.deepspeed_json}",
+        explicit_groups=explicit_groups_from_overrides(overrides),
+    )
+    check_paths(ds)
+    validate_with_deepspeed(ds)
+    facts = {"world_size": world_size, "hidden_size": hidden_size, "device": device.kind}
+    return ds, facts
+
+
+def run_job(cfg: DictConfig) -> float | None:
+    """Plan, then train (or only print the plan with dry_run=true). Returns the sweep objective."""
+    context = _hydra_context()
+    run_dir: Path = context["run_dir"]
+    started = time.time()
+    try:
+        ds, facts = plan_deepspeed(cfg, context["overrides"])
+        write_json_atomic(run_dir / "ds_config.json", ds)
+        if cfg.dry_run:
+            print(json.dumps(ds, indent=2))
+            print(f"dry run: wrote {run_dir / 'ds_config.json'}; nothing trained", file=sys.stderr)
+            return None
+        job = {**context, **facts, "run_dir": str(run_dir)}
+        write_json_atomic(run_dir / JOB_FILE, job)
+        from launcher.processes import launch
+
+        summary = launch(cfg, run_dir)
+    except LauncherError as err:
+        write_failed_summary(run_dir, context, str(err), wall_s=time.time() - started)
+        print(f"error: {err}", file=sys.stderr)
+        if context["multirun"]:
+            return None  # the sweep records the failure and goes on; it exits non-zero at the end
+        sys.exit(err.exit_code)
+    objective = summary.get("objective")
+    return objective

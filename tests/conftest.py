@@ -1,0 +1,71 @@
+"""Shared fixtures: compose real configs with Hydra, and run `train.py` as a user would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig, OmegaConf
+
+from launcher.schema import register_configs
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+register_configs()
+
+
+def compose_config(overrides: list[str] | None = None) -> DictConfig:
+    """The config `python train.py OVERRIDES` would run with (without Hydra's own node)."""
+    if GlobalHydra.instance().is_initialized():  # inside a module-wide Hydra context
+        return compose(config_name="config", overrides=overrides or [])
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides or [])
+
+
+def compose_plain(overrides: list[str] | None = None) -> dict[str, Any]:
+    return OmegaConf.to_container(compose_config(overrides), resolve=True)
+
+
+@pytest.fixture
+def isolated_env(tmp_path: Path) -> dict[str, str]:
+    """Environment for subprocess runs: W&B offline and contained, caches shared across tests."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "WANDB_MODE": "offline",
+            "WANDB_DIR": str(tmp_path / "wandb"),
+            "WANDB_CACHE_DIR": str(tmp_path / "wandb_cache"),
+            "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config"),
+            "WANDB_DATA_DIR": str(tmp_path / "wandb_data"),
+            "WANDB_SILENT": "true",
+            "VLM_LAUNCHER_CACHE": str(ROOT / "outputs" / "cache"),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    env.pop("HYDRA_FULL_ERROR", None)
+    return env
+
+
+@pytest.fixture
+def run_train(isolated_env: dict[str, str]) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Run `python train.py ARGS` in the project root and capture its output."""
+
+    def run(*args: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "train.py", *args],
+            cwd=ROOT,
+            env={**isolated_env, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    return run

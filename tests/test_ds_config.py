@@ -1,0 +1,446 @@
+"""The pure DeepSpeed-dict builder: batch arithmetic, buckets, precision, offload rules, migration."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from launcher.ds_config import (
+    KNOWN_TOP_LEVEL_KEYS,
+    Device,
+    build_ds_config,
+    derived_bucket_sizes,
+    explicit_groups_from_overrides,
+    resolve_batch_sizes,
+    resolve_precision,
+)
+from launcher.errors import LauncherError
+from tests.conftest import CONF, compose_plain
+
+CPU = Device(kind="cpu", bf16=True, fp16=False, name="")
+GPU = Device(kind="cuda", bf16=True, fp16=True, name="H100")
+OLD_GPU = Device(kind="cuda", bf16=False, fp16=True, name="V100")
+GOLDEN = Path(__file__).parent / "golden"
+LLAVA_7B_HIDDEN = 4096
+
+PRESETS = {  # preset -> (stage, offload group it selects)
+    "z0": (0, "none"),
+    "z1": (1, "none"),
+    "z2": (2, "none"),
+    "z2_offload": (2, "optimizer"),
+    "z3": (3, "none"),
+    "z3_offload": (3, "all"),
+    "z3_nvme": (3, "nvme"),
+}
+PRECISIONS = ("fp32", "bf16", "fp16", "auto")
+OFFLOADS = (None, "none", "optimizer", "param", "all", "nvme")  # None: the preset's choice
+COMMS = ("default", "overlap", "low_memory")
+OFFLOAD_DEVICES = {  # offload group -> (optimizer device, param device)
+    "none": ("none", "none"),
+    "optimizer": ("cpu", "none"),
+    "param": ("none", "cpu"),
+    "all": ("cpu", "cpu"),
+    "nvme": ("nvme", "nvme"),
+}
+
+
+def build(cfg: dict[str, Any], *, world_size: int = 1, hidden: int = 64, device: Device = CPU, **kw: Any):
+    return build_ds_config(cfg, world_size=world_size, hidden_size=hidden, device=device, **kw)
+
+
+# --------------------------------------------------------------------------- batch arithmetic
+@pytest.mark.parametrize(
+    ("micro", "accum", "total", "world", "expected"),
+    [
+        (16, None, None, 1, (16, 1, 16)),
+        (4, 2, None, 8, (4, 2, 64)),
+        (4, None, 64, 8, (4, 2, 64)),
+        (None, 2, 64, 8, (4, 2, 64)),
+        (4, 2, 64, 8, (4, 2, 64)),
+        (1, None, 1, 1, (1, 1, 1)),
+    ],
+)
+def test_any_two_batch_sizes_determine_the_third(micro, accum, total, world, expected):
+    sizes = resolve_batch_sizes(micro, accum, total, world)
+    assert (sizes.micro, sizes.accum, sizes.total) == expected
+    assert sizes.total == sizes.micro * sizes.accum * world
+
+
+@pytest.mark.parametrize(
+    ("micro", "accum", "total", "world", "message"),
+    [
+        (
+            4,
+            2,
+            60,
+            8,
+            "train.global_batch_size=60 but train.micro_batch_size=4 x train.grad_accum=2 x world size 8 = 64",
+        ),
+        (4, None, 60, 8, "not divisible by train.micro_batch_size=4 x world size 8 = 32"),
+        (None, 3, 64, 8, "not divisible by train.grad_accum=3 x world size 8 = 24"),
+        (None, None, 64, 1, "with train.global_batch_size also give"),
+        (None, 2, None, 1, "underdetermined"),
+        (0, None, None, 1, "train.micro_batch_size=0 must be a positive integer"),
+        (4, -1, None, 1, "train.grad_accum=-1 must be a positive integer"),
+        (4, None, 0, 1, "train.global_batch_size=0 must be a positive integer"),
+    ],
+)
+def test_inconsistent_or_indivisible_batch_sizes_show_the_numbers(micro, accum, total, world, message):
+    with pytest.raises(LauncherError, match=message.replace("+", r"\+").replace("(", r"\(")):
+        resolve_batch_sizes(micro, accum, total, world)
+
+
+# --------------------------------------------------------------------------- buckets and precision
+@pytest.mark.parametrize("hidden", [64, 128, 4096, 1536, 3584])
+def test_default_bucket_sizes_are_integers_derived_from_hidden_size(hidden):
+    buckets = derived_bucket_sizes(hidden)
+    assert buckets["reduce_bucket_size"] == hidden * hidden
+    assert buckets["stage3_prefetch_bucket_size"] == round(0.9 * hidden * hidden)
+    assert buckets["stage3_param_persistence_threshold"] == 10 * hidden
+    assert all(isinstance(value, int) for value in buckets.values())
+
+
+@pytest.mark.parametrize(
+    ("requested", "device", "expected"),
+    [
+        ("auto", CPU, "bf16"),
+        ("auto", GPU, "bf16"),
+        ("auto", OLD_GPU, "fp16"),
+        ("auto", Device("cpu", bf16=False, fp16=False), "fp32"),
+        ("fp32", CPU, "fp32"),
+        ("bf16", CPU, "bf16"),
+        ("fp16", GPU, "fp16"),
+    ],
+)
+def test_precision_resolves_against_the_device(requested, device, expected):
+    assert resolve_precision(requested, device) == expected
+
+
+def test_fp16_on_cpu_is_refused_with_the_alternatives():
+    with pytest.raises(LauncherError, match="precision=fp16 is not supported on this cpu: use precision=bf16 or"):
+        resolve_precision("fp16", CPU)
+
+
+def test_bf16_on_a_gpu_without_it_suggests_fp16():
+    with pytest.raises(LauncherError, match="not supported on this cuda V100: use precision=fp16 or precision=fp32"):
+        resolve_precision("bf16", OLD_GPU)
+
+
+# --------------------------------------------------------------------------- every combination
+@pytest.fixture(scope="module")
+def composer():
+    """One Hydra context for the module: composing hundreds of configs stays fast."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        yield lambda overrides: OmegaConf.to_container(compose(config_name="config", overrides=overrides), resolve=True)
+
+
+def expected_error(stage: int, offload: str, precision: str, device: Device) -> str | None:
+    """What the rules say about a combination (written independently of the builder)."""
+    optimizer_device, param_device = OFFLOAD_DEVICES[offload]
+    if precision == "fp16" and not device.fp16:
+        return "precision=fp16 is not supported"
+    if param_device != "none" and stage < 3:
+        return "parameter offload"
+    if optimizer_device == "nvme" and stage < 3:
+        return "NVMe optimizer offload needs ZeRO stage 3"
+    if optimizer_device != "none" and stage == 0:
+        return "optimizer offload needs ZeRO stage 1, 2 or 3"
+    if "nvme" in (optimizer_device, param_device):
+        return "needs a directory: set offload.nvme_path"
+    return None
+
+
+def check_combination(cfg: dict[str, Any], preset: str, precision: str, offload: str | None, comm: str) -> str:
+    """Build for a CPU and a GPU; each build either passes DeepSpeed's checks or fails with its rule."""
+    from launcher.validate import validate_with_deepspeed
+
+    stage, preset_offload = PRESETS[preset]
+    chosen_offload = offload or preset_offload
+    label = f"deepspeed={preset} precision={precision} offload={offload} comm={comm}"
+    assert cfg["zero"]["stage"] == stage, label
+    outcome = ""
+    for device in (CPU, GPU):
+        expected = expected_error(stage, chosen_offload, precision, device)
+        if expected:
+            with pytest.raises(LauncherError, match=expected):
+                build(cfg, device=device)
+            outcome += "refused "
+            continue
+        ds = build(cfg, device=device, hidden=64)
+        validate_with_deepspeed(ds)
+        zero = ds["zero_optimization"]
+        assert zero["stage"] == stage, label
+        optimizer_device, param_device = OFFLOAD_DEVICES[chosen_offload]
+        assert zero.get("offload_optimizer", {}).get("device", "none") == optimizer_device, label
+        assert zero.get("offload_param", {}).get("device", "none") == param_device, label
+        dtype = resolve_precision(precision, device)
+        assert ds["bf16"]["enabled"] == (dtype == "bf16"), label
+        assert ds["fp16"]["enabled"] == (dtype == "fp16"), label
+        assert "auto" not in json.dumps(ds), label
+        if stage > 0 and comm == "default":
+            assert zero["reduce_bucket_size"] == 64 * 64, label
+        if stage == 3:
+            prefetch = round(0.9 * 64 * 64) if comm == "default" else cfg["comm"]["stage3_prefetch_bucket_size"]
+            assert zero["stage3_prefetch_bucket_size"] == prefetch, label
+        assert set(ds) <= KNOWN_TOP_LEVEL_KEYS, label
+        outcome += "ok "
+    return outcome
+
+
+COMBINATIONS = list(itertools.product(PRESETS, PRECISIONS, OFFLOADS, COMMS))
+
+
+def _overrides(preset: str, precision: str, offload: str | None, comm: str) -> list[str]:
+    return [f"deepspeed={preset}", f"precision={precision}", f"comm={comm}"] + (
+        [f"offload={offload}"] if offload is not None else []
+    )
+
+
+def test_every_combination_fast(composer):
+    """All combinations. Hydra composes each preset x offload pair; the precision and comm nodes
+    (which only set themselves) come from their own composed options, so this stays fast."""
+    precision_nodes = {p: composer([f"precision={p}"])["precision"] for p in PRECISIONS}
+    comm_nodes = {c: composer([f"comm={c}"])["comm"] for c in COMMS}
+    pairs = {
+        (preset, offload): composer(_overrides(preset, "fp32", offload, "default"))
+        for preset in PRESETS
+        for offload in OFFLOADS
+    }
+    outcomes = []
+    for preset, precision, offload, comm in COMBINATIONS:
+        cfg = {**pairs[preset, offload], "precision": precision_nodes[precision], "comm": comm_nodes[comm]}
+        outcomes.append(check_combination(cfg, preset, precision, offload, comm))
+    assert sum("ok" in o for o in outcomes) > 100 and sum("refused" in o for o in outcomes) > 100
+
+
+@pytest.mark.slow
+def test_every_combination_composed_by_hydra(composer):
+    """The same table, each of the 504 combinations composed by Hydra from its command line."""
+    for preset, precision, offload, comm in COMBINATIONS:
+        check_combination(composer(_overrides(preset, precision, offload, comm)), preset, precision, offload, comm)
+
+
+def test_nvme_with_a_path_composes(composer, tmp_path):
+    cfg = composer(["deepspeed=z3_nvme", f"offload.nvme_path={tmp_path}"])
+    zero = build(cfg)["zero_optimization"]
+    assert zero["offload_param"]["device"] == "nvme"
+    assert zero["offload_param"]["nvme_path"] == str(tmp_path)
+    assert zero["offload_optimizer"]["nvme_path"] == str(tmp_path)
+
+
+def test_a_group_on_the_command_line_wins_over_the_preset(composer):
+    zero = build(composer(["deepspeed=z3_offload", "offload=none"]))["zero_optimization"]
+    assert zero["stage"] == 3
+    assert "offload_param" not in zero and "offload_optimizer" not in zero
+    assert build(composer(["deepspeed=z3", "zero=stage2"]))["zero_optimization"]["stage"] == 2
+
+
+# --------------------------------------------------------------------------- golden dicts
+def _golden_cfg(overrides: list[str]) -> dict[str, Any]:
+    # Pin the training knobs so the golden files do not move with the built-in job's defaults.
+    return compose_plain(
+        [
+            *overrides,
+            "train.micro_batch_size=4",
+            "train.grad_accum=2",
+            "train.lr=2e-5",
+            "train.max_steps=1000",
+            "train.warmup_steps=30",
+            "train.weight_decay=0.0",
+        ]
+    )
+
+
+@pytest.mark.parametrize("world_size", [1, 8])
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [("z3_offload_bf16", ["deepspeed=z3_offload", "precision=bf16"]), ("z2_fp32", ["deepspeed=z2", "precision=fp32"])],
+)
+def test_golden(name, overrides, world_size):
+    ds = build(_golden_cfg(overrides), world_size=world_size, hidden=LLAVA_7B_HIDDEN, device=GPU)
+    golden = json.loads((GOLDEN / f"{name}_ws{world_size}.json").read_text())
+    assert ds == golden
+
+
+# --------------------------------------------------------------------------- extra keys and rules
+def test_deepspeed_extra_is_merged_last():
+    cfg = compose_plain(["deepspeed=z3", "+deepspeed_extra.zero_optimization.stage3_max_reuse_distance=5"])
+    ds = build(cfg)
+    assert ds["zero_optimization"]["stage3_max_reuse_distance"] == 5
+    assert ds["zero_optimization"]["stage"] == 3
+
+
+def test_unknown_top_level_key_in_extra_is_an_error():
+    cfg = compose_plain(["+deepspeed_extra.zero_optimisation.stage=3"])
+    with pytest.raises(LauncherError, match="deepspeed_extra.zero_optimisation is not a DeepSpeed key"):
+        build(cfg)
+
+
+def test_both_half_precisions_is_an_error():
+    cfg = compose_plain(["precision=bf16", "+deepspeed_extra.fp16.enabled=true"])
+    with pytest.raises(LauncherError, match="fp16 and bf16 are both enabled"):
+        build(cfg, device=GPU)
+
+
+def test_auto_strings_never_reach_deepspeed():
+    cfg = compose_plain(["+deepspeed_extra.gradient_clipping=auto"])
+    with pytest.raises(LauncherError, match='gradient_clipping="auto" would be silently dropped'):
+        build(cfg)
+
+
+def test_fractional_bucket_size_is_an_error():
+    cfg = compose_plain(["deepspeed=z2", "+deepspeed_extra.zero_optimization.reduce_bucket_size=1000.5"])
+    with pytest.raises(LauncherError, match="reduce_bucket_size=1000.5 must be a whole number"):
+        build(cfg)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.lr=0", "train.lr=0.0 must be positive"),
+        ("train.max_steps=0", "train.max_steps=0 must be positive"),
+        ("train.warmup_steps=400", "train.warmup_steps=400 must be below train.max_steps=300"),
+        ("train.grad_clip=-1", "train.grad_clip=-1.0 must not be negative"),
+        ("train.weight_decay=-0.1", "train.weight_decay=-0.1 must not be negative"),
+        ("comm.reduce_bucket_size=0", "reduce_bucket_size=0 must be positive"),
+        ("offload.optimizer=disk", "offload.optimizer=disk is unknown"),
+        ("precision.dtype=fp8", "precision.dtype=fp8 is unknown"),
+    ],
+)
+def test_bad_values_are_refused(override, message):
+    cfg = compose_plain(["deepspeed=z2", override])
+    with pytest.raises(LauncherError, match=message):
+        build(cfg)
+
+
+def test_world_size_enters_the_global_batch():
+    cfg = compose_plain(["train.micro_batch_size=4", "train.global_batch_size=64"])
+    ds = build(cfg, world_size=8)
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (
+        64,
+        4,
+        2,
+    )
+
+
+# --------------------------------------------------------------------------- deepspeed_json migration
+ALIGN_ANYTHING_Z3_OFFLOAD = {  # the shape of align-anything's ds_z3_offload_config.json
+    "train_batch_size": None,
+    "train_micro_batch_size_per_gpu": 16,
+    "gradient_accumulation_steps": None,
+    "steps_per_print": 10,
+    "zero_optimization": {
+        "stage": 3,
+        "offload_param": {"device": "cpu"},
+        "offload_optimizer": {"device": "cpu"},
+        "param_persistence_threshold": 1e4,
+        "max_live_parameters": 3e7,
+        "prefetch_bucket_size": 3e7,
+        "memory_efficient_linear": False,
+        "gather_16bit_weights_on_model_save": True,
+    },
+    "gradient_clipping": 1.0,
+    "prescale_gradients": False,
+    "wall_clock_breakdown": False,
+    "hybrid_engine": {"enabled": False},
+    "bf16": {"enabled": True},
+}
+LLAMA_FACTORY_Z3 = {  # the shape of LLaMA-Factory's ds_z3_config.json, "auto" everywhere
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "zero_allow_untested_optimizer": True,
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16},
+    "bf16": {"enabled": "auto"},
+    "zero_optimization": {
+        "stage": 3,
+        "overlap_comm": False,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+}
+
+
+def test_llama_factory_auto_values_are_filled_by_the_composition():
+    from launcher.validate import validate_with_deepspeed
+
+    cfg = compose_plain(["precision=bf16", "train.micro_batch_size=4", "train.grad_accum=2"])
+    ds = build(cfg, world_size=8, hidden=4096, device=GPU, base=LLAMA_FACTORY_Z3)
+    validate_with_deepspeed(ds)
+    assert "auto" not in json.dumps(ds)
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (
+        64,
+        4,
+        2,
+    )
+    zero = ds["zero_optimization"]
+    assert zero["stage"] == 3  # the base's stage stays: zero= was not given on the command line
+    assert zero["reduce_bucket_size"] == 4096 * 4096
+    assert zero["stage3_prefetch_bucket_size"] == round(0.9 * 4096 * 4096)
+    assert zero["stage3_param_persistence_threshold"] == 40960
+    assert zero["overlap_comm"] is False  # a concrete value of the base is kept
+    assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
+    assert ds["zero_allow_untested_optimizer"] is True
+    assert ds["optimizer"]["type"] == "AdamW"  # the base has none: the composition supplies it
+
+
+def test_align_anything_nulls_are_filled_and_command_line_groups_override():
+    base = copy.deepcopy(ALIGN_ANYTHING_Z3_OFFLOAD)
+    cfg = compose_plain(["precision=bf16", "offload=none", "train.grad_accum=2"])
+    explicit = explicit_groups_from_overrides(["precision=bf16", "offload=none", "train.grad_accum=2"])
+    ds = build(cfg, world_size=2, hidden=64, device=GPU, base=base, explicit_groups=explicit)
+    zero = ds["zero_optimization"]
+    assert "offload_param" not in zero and "offload_optimizer" not in zero  # offload=none was given
+    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * 2 * 2
+    assert base == ALIGN_ANYTHING_Z3_OFFLOAD  # the caller's dict is not modified
+
+
+def test_a_json_base_still_meets_the_rules():
+    base = copy.deepcopy(ALIGN_ANYTHING_Z3_OFFLOAD)
+    cfg = compose_plain(["zero=stage2"])
+    with pytest.raises(LauncherError, match="parameter offload"):
+        build(cfg, device=GPU, base=base, explicit_groups=frozenset({"zero"}))
+
+
+def test_an_unknown_key_in_the_json_base_names_the_file():
+    with pytest.raises(LauncherError, match=r"deepspeed_json=my.json: unknown DeepSpeed key 'zero_opt'"):
+        build(compose_plain(), base={"zero_opt": {}}, base_source="deepspeed_json=my.json")
+
+
+def test_an_auto_the_composition_cannot_fill_is_an_error():
+    base = {"zero_optimization": {"stage": 2, "round_robin_gradients": "auto"}}
+    with pytest.raises(LauncherError, match='cannot fill "auto" at zero_optimization.round_robin_gradients'):
+        build(compose_plain(), base=base, base_source="deepspeed_json=x.json")
+
+
+def test_explicit_groups_come_from_overrides():
+    assert explicit_groups_from_overrides(["deepspeed=z3", "precision=bf16", "+train.lr=1"]) == {
+        "zero",
+        "offload",
+        "precision",
+        "train",
+    }
+    assert explicit_groups_from_overrides(["model=tiny_llava", "dry_run=true"]) == frozenset()
+
+
+# --------------------------------------------------------------------------- the key list itself
+def test_every_known_top_level_key_is_read_somewhere_in_deepspeed():
+    import deepspeed
+
+    source = "\n".join(path.read_text(errors="ignore") for path in Path(deepspeed.__file__).parent.rglob("*.py"))
+    missing = [key for key in KNOWN_TOP_LEVEL_KEYS if f'"{key}"' not in source and f"'{key}'" not in source]
+    assert not missing
