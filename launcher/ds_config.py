@@ -173,18 +173,25 @@ def derived_bucket_sizes(hidden_size: int) -> dict[str, int]:
     }
 
 
+def warmup_steps(train: Mapping[str, Any]) -> int:
+    """Linear warm-up length: as given, or 10% of the run (DeepSpeed's WarmupCosineLR needs >= 1)."""
+    given = train["warmup_steps"]
+    return max(1, int(train["max_steps"]) // 10) if given is None else int(given)
+
+
 def _check_train(train: Mapping[str, Any]) -> None:
     positive = ("max_steps", "lr", "log_every")
-    non_negative = ("weight_decay", "warmup_steps", "grad_clip", "eval_every", "save_every", "eps")
+    non_negative = ("weight_decay", "grad_clip", "eval_every", "save_every", "eps")
     for key in positive:
         if not train[key] > 0:
             raise LauncherError(f"train.{key}={train[key]} must be positive")
     for key in non_negative:
         if train[key] < 0:
             raise LauncherError(f"train.{key}={train[key]} must not be negative")
-    if train["warmup_steps"] >= train["max_steps"]:
+    if train["warmup_steps"] is not None and not 1 <= train["warmup_steps"] < train["max_steps"]:
         raise LauncherError(
-            f"train.warmup_steps={train['warmup_steps']} must be below train.max_steps={train['max_steps']}"
+            f"train.warmup_steps={train['warmup_steps']} must lie in [1, train.max_steps={train['max_steps']}) "
+            "(DeepSpeed's WarmupCosineLR needs at least one warm-up step)"
         )
     if not 0 <= train["min_lr_ratio"] <= 1:
         raise LauncherError(f"train.min_lr_ratio={train['min_lr_ratio']} must lie in [0, 1]")
@@ -265,7 +272,7 @@ def _composed(cfg: Mapping[str, Any], batch: BatchSizes, dtype: str, hidden_size
             "type": "WarmupCosineLR",
             "params": {
                 "total_num_steps": train["max_steps"],
-                "warmup_num_steps": train["warmup_steps"],
+                "warmup_num_steps": warmup_steps(train),
                 "warmup_min_ratio": 0.0,
                 "cos_min_ratio": float(train["min_lr_ratio"]),
                 "warmup_type": "linear",
@@ -292,7 +299,7 @@ def _fill_table(cfg: Mapping[str, Any], batch: BatchSizes, dtype: str, hidden_si
         "optimizer.params.weight_decay": float(train["weight_decay"]),
         # Scheduler params, whatever the scheduler type of the base file.
         "scheduler.params.total_num_steps": train["max_steps"],
-        "scheduler.params.warmup_num_steps": train["warmup_steps"],
+        "scheduler.params.warmup_num_steps": warmup_steps(train),
         "scheduler.params.warmup_max_lr": float(train["lr"]),
         "scheduler.params.warmup_min_lr": 0.0,
         "scheduler.params.warmup_min_ratio": 0.0,

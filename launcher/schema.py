@@ -82,7 +82,7 @@ class TrainConfig:
     max_steps: int = 300
     lr: float = 3e-3
     weight_decay: float = 0.0
-    warmup_steps: int = 30
+    warmup_steps: int | None = None  # null: 10% of max_steps
     # Floor of the cosine schedule, as a fraction of lr.
     min_lr_ratio: float = 0.05
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -125,7 +125,6 @@ class DataConfig:
     eval_path: str | None = None
     image_root: str | None = None
     on_bad_record: str = "error"  # error | skip
-    max_length: int = 512
     num_workers: int = 1
     # Exact-match accuracy of greedy generation on the eval split (meaningful for short answers).
     eval_accuracy: bool = False

@@ -306,7 +306,8 @@ def test_fractional_bucket_size_is_an_error():
     [
         ("train.lr=0", "train.lr=0.0 must be positive"),
         ("train.max_steps=0", "train.max_steps=0 must be positive"),
-        ("train.warmup_steps=400", "train.warmup_steps=400 must be below train.max_steps=300"),
+        ("train.warmup_steps=400", r"train.warmup_steps=400 must lie in \[1, train.max_steps=300\)"),
+        ("train.warmup_steps=0", r"train.warmup_steps=0 must lie in .* needs at least one warm-up step"),
         ("train.grad_clip=-1", "train.grad_clip=-1.0 must not be negative"),
         ("train.weight_decay=-0.1", "train.weight_decay=-0.1 must not be negative"),
         ("comm.reduce_bucket_size=0", "reduce_bucket_size=0 must be positive"),

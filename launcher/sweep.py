@@ -1,0 +1,42 @@
+"""End of a multirun: write the comparison into the sweep directory, and fail if any job failed.
+
+Registered as a Hydra callback in `conf/config.yaml`; Hydra calls it once the last job returned.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from launcher.rundir import SUMMARY_FILE, read_json
+
+
+def failed_jobs(sweep_dir: Path) -> list[tuple[str, str]]:
+    """(job directory name, error line) for every job of the sweep that did not complete."""
+    failed = []
+    for summary_path in sorted(sweep_dir.glob(f"*/{SUMMARY_FILE}")):
+        summary = read_json(summary_path)
+        if summary.get("status") != "completed":
+            failed.append((summary_path.parent.name, summary.get("error") or summary.get("status", "?")))
+    return failed
+
+
+class SweepReport(Callback):
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from launcher.compare import write_comparison
+
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if not sweep_dir.is_dir():
+            return
+        report = write_comparison(sweep_dir)
+        print(f"\ncomparison: {report} (+ compare.csv, compare.png)", flush=True)
+        failed = failed_jobs(sweep_dir)
+        if failed:
+            for job, error in failed:
+                print(f"job {job} failed: {error}", file=sys.stderr)
+            print(f"error: {len(failed)} job(s) of the sweep failed", file=sys.stderr)
+            sys.exit(1)

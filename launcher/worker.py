@@ -1,0 +1,36 @@
+"""Entry point of each rank started by torch's launcher: `python -m launcher.worker RUN_DIR`.
+
+The Hydra job wrote the run directory (config, DeepSpeed dict, job facts) before starting the ranks;
+each rank reads it back, so no rank parses a Hydra command line or makes a directory of its own.
+DeepSpeed's launcher appends `--local_rank=N`; it is accepted and ignored (LOCAL_RANK is set too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from launcher.errors import LauncherError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    cfg = OmegaConf.load(args.run_dir / ".hydra" / "config.yaml")
+    from launcher.train_loop import train
+
+    try:
+        train(cfg, args.run_dir)
+    except LauncherError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""End-to-end training runs of `python train.py`, as subprocesses, on this CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+# Short runs: no W&B, no generation (unless a test wants it), 20 steps at fp32.
+SHORT = ["logger=none", "train.max_steps=20", "train.eval_every=0", "data.eval_accuracy=false", "train.seed=1"]
+
+
+def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def summary(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [m["train/loss"] for m in metrics(run_dir)]
+
+
+def assert_same_curves(curves: dict[str, list[float]], rel: float) -> None:
+    reference_name, reference = next(iter(curves.items()))
+    for name, curve in curves.items():
+        assert len(curve) == len(reference), name
+        for step, (a, b) in enumerate(zip(reference, curve, strict=True), start=1):
+            assert abs(a - b) <= rel * abs(a), f"{name} vs {reference_name} at step {step}: {b} vs {a}"
+
+
+def test_default_job_learns_and_its_saved_model_reloads(run_train, tmp_path):
+    """`python train.py` as in the README: held-out exact match >= 0.9, in under 3 minutes."""
+    run_dir = tmp_path / "run"
+    result = run_train(f"hydra.run.dir={run_dir}", timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    result_summary = summary(run_dir)
+    assert result_summary["status"] == "completed"
+    assert result_summary["eval_accuracy"] >= 0.9, result_summary
+    for key in ("final_loss", "eval_loss", "samples_per_sec", "tokens_per_sec", "peak_memory_bytes", "wall_s"):
+        assert result_summary[key] > 0, key
+    assert result_summary["world_size"] == 1 and result_summary["zero_stage"] == 0
+    assert (run_dir / "train.log").read_text()
+    assert list((run_dir / "checkpoints").iterdir())
+    first = metrics(run_dir)[0]
+    for key in ("train/loss", "train/lr", "train/grad_norm", "perf/samples_per_sec", "perf/tokens_per_sec"):
+        assert key in first
+    for key in ("perf/step_time_s", "perf/data_wait_frac", "mem/peak_bytes"):
+        assert key in first
+    assert "run summary" in result.stdout and str(run_dir) in result.stdout
+
+    # The saved model/ reloads with plain transformers and reproduces the accuracy.
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from launcher.data import ConversationDataset, load_records
+
+    model = AutoModelForImageTextToText.from_pretrained(run_dir / "model")
+    processor = AutoProcessor.from_pretrained(run_dir / "model")
+    cache = Path(__file__).resolve().parents[1] / "outputs" / "cache" / "data"
+    eval_file = next(cache.glob("shapes_seed0_*/eval.json"))
+    records, _ = load_records(eval_file, eval_file.parent)
+    from launcher.data import exact_match_accuracy
+
+    correct, total = exact_match_accuracy(model, processor, ConversationDataset(records), max_new_tokens=4)
+    assert correct / total == pytest.approx(result_summary["eval_accuracy"], abs=0.011)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_zero_stages_give_the_same_losses(run_train, tmp_path, nproc):
+    """ZeRO changes memory, not mathematics: stages 0-3 agree to 1e-4 relative at fp32."""
+    sweep_dir = tmp_path / "sweep"
+    result = run_train(
+        "-m",
+        "zero=stage0,stage1,stage2,stage3",
+        *SHORT,
+        f"dist.nproc_per_node={nproc}",
+        f"hydra.sweep.dir={sweep_dir}",
+        timeout=1200,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    curves = {f"stage{i}": losses(sweep_dir / str(i)) for i in range(4)}
+    assert all(len(curve) == 20 for curve in curves.values())
+    assert curves["stage0"][-1] < curves["stage0"][0]  # it trains
+    assert_same_curves(curves, rel=1e-4)
+    for i in range(4):
+        assert summary(sweep_dir / str(i))["zero_stage"] == i
+        assert summary(sweep_dir / str(i))["world_size"] == nproc
+    if nproc == 2:
+        # At ZeRO-3 each rank holds about half of the parameters; below it, all of them.
+        stage3 = summary(sweep_dir / "3")
+        total = stage3["params_total"]
+        for held in stage3["params_held_per_rank"]:
+            assert held == pytest.approx(total / 2, rel=0.05)
+        assert summary(sweep_dir / "2")["params_held_per_rank"] == [total, total]
+        # One output directory per job, shared by both ranks.
+        assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == ["0", "1", "2", "3"]
+
+
+def test_zero3_two_ranks_generates_in_lock_step_and_saves_a_loadable_model(run_train, tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_train(
+        "deepspeed=z3",
+        "precision=bf16",
+        "dist.nproc_per_node=2",
+        "logger=none",
+        "train.max_steps=10",
+        "data.eval_samples=16",
+        f"hydra.run.dir={run_dir}",
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    result_summary = summary(run_dir)
+    assert result_summary["eval_accuracy"] is not None and result_summary["precision"] == "bf16"
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(run_dir / "model")
+    assert sum(p.numel() for p in model.parameters()) == result_summary["params_total"]
+
+
+@pytest.mark.parametrize(
+    "preset",
+    ["z2_offload", "z3_offload"],  # optimizer on CPU at stage 2; parameters and optimizer at stage 3
+)
+def test_bf16_with_cpu_offload_trains(run_train, tmp_path, preset):
+    run_dir = tmp_path / "run"
+    result = run_train(f"deepspeed={preset}", "precision=bf16", *SHORT, f"hydra.run.dir={run_dir}", timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    curve = losses(run_dir)
+    assert curve[-1] < curve[0]
+    ds = json.loads((run_dir / "ds_config.json").read_text())
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert summary(run_dir)["precision"] == "bf16"
+
+
+def write_multiturn_llava_json(root: Path) -> Path:
+    """A small user data set in LLaVA format with multi-turn records and images in a subfolder."""
+    from PIL import Image
+
+    images = root / "images"
+    images.mkdir(parents=True)
+    colours = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220)}
+    records = []
+    for index in range(24):
+        name, rgb = list(colours.items())[index % 3]
+        Image.new("RGB", (32, 32), rgb).save(images / f"{index}.png")
+        records.append(
+            {
+                "id": str(index),
+                "image": f"images/{index}.png",
+                "conversations": [
+                    {"from": "human", "value": "<image>\nwhat colour is this?"},
+                    {"from": "gpt", "value": name},
+                    {"from": "human", "value": "and is it dark?"},
+                    {"from": "gpt", "value": "no"},
+                ],
+            }
+        )
+    path = root / "train.json"
+    path.write_text(json.dumps(records))
+    return path
+
+
+@pytest.mark.parametrize("model", ["tiny_qwen2_vl", "tiny_llava"])
+def test_user_llava_json_multiturn_data_trains(run_train, tmp_path, model):
+    data = write_multiturn_llava_json(tmp_path / "data")
+    run_dir = tmp_path / "run"
+    result = run_train(
+        f"model={model}",
+        "data=llava_json",
+        f"data.path={data}",
+        "train.micro_batch_size=4",
+        *SHORT,
+        f"hydra.run.dir={run_dir}",
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    curve = losses(run_dir)
+    assert len(curve) == 20 and curve[-1] < curve[0]
+    assert summary(run_dir)["eval_loss"] is None  # no eval file given

@@ -1,0 +1,464 @@
+"""Tests of launcher.wandb_logger. W&B runs offline in tmp_path; W&B's own CLI reads them back.
+
+The oracle is ``wandb leet inspect``: ``--summary --json RUN`` prints one object (config, summary,
+tags, state, run_id), ``--json RUN`` prints one record per line (the "run" record holds run_group,
+job_type, display_name; "metric" records the step metric; "files" records the saved files).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher import wandb_logger as wl
+from launcher.wandb_logger import WandbRun
+
+REPO = Path(__file__).resolve().parents[1]
+WANDB_CLI = Path(sys.executable).parent / "wandb"
+SECRET = "s3cr3t-value-never-logged"
+HF_SECRET = "hf_" + "A1b2C3d4" * 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def wandb_home(tmp_path_factory: pytest.TempPathFactory):
+    """Keep W&B's directories in tmp for the whole module (W&B reads some of them once per process)."""
+    home = tmp_path_factory.mktemp("wandb_home")
+    env = {
+        "WANDB_DIR": home / "dir",
+        "WANDB_CACHE_DIR": home / "cache",
+        "WANDB_CONFIG_DIR": home / "config",
+        "WANDB_DATA_DIR": home / "data",
+        "WANDB_ARTIFACT_DIR": home / "artifacts",
+    }
+    saved = {k: os.environ.get(k) for k in [*env, "WANDB_MODE", "WANDB_API_KEY", "NETRC", "WANDB_DISABLED"]}
+    for key, path in env.items():
+        path.mkdir()
+        os.environ[key] = str(path)
+    os.environ["NETRC"] = str(home / "no_netrc")
+    for key in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DISABLED"):
+        os.environ.pop(key, None)
+    yield home
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def inspect_summary(run: WandbRun) -> dict:
+    out = subprocess.run(
+        [str(WANDB_CLI), "leet", "inspect", "--summary", "--json", str(run.sync_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    return json.loads(out)
+
+
+def inspect_records(run: WandbRun) -> tuple[list[dict], str]:
+    out = subprocess.run(
+        [str(WANDB_CLI), "leet", "inspect", "--json", str(run.sync_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    return [json.loads(line) for line in out.splitlines() if line.strip()], out
+
+
+def make_run_dir(tmp_path: Path) -> Path:
+    """A run directory as the training job leaves it before W&B starts."""
+    run_dir = tmp_path / "outputs" / "2026-11-29" / "10-00-00"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / "ds_config.json").write_text(
+        json.dumps({"train_batch_size": 8, "zero_optimization": {"stage": 3}, "hf_token": SECRET})
+    )
+    (run_dir / ".hydra" / "config.yaml").write_text(
+        f"model:\n  name: tiny_llava\n  hf_token: {SECRET}\ntrain:\n  lr: 0.001\n"
+    )
+    return run_dir
+
+
+def sample_config() -> dict:
+    return {
+        "model": {"name": "tiny_llava", "hf_token": SECRET, "pad_token_id": 0},
+        "wandb": {"api_key": SECRET, "project": "vlm"},
+        "deepspeed": {"train_batch_size": 8, "zero_optimization": {"stage": 3}},
+        "world_size": 1,
+        "versions": wl.library_versions(),
+        "git_commit": wl.git_commit(),
+    }
+
+
+SUMMARY = {
+    "status": "completed",
+    "steps": 3,
+    "wall_s": 12.5,
+    "final_loss": 0.25,
+    "eval_loss": 0.5,
+    "eval_accuracy": None,
+    "samples_per_sec": 33.0,
+    "peak_memory_bytes": 123456789,
+    "zero_stage": 3,
+    "choices": {"zero": "stage3", "precision": "bf16"},
+    "overrides": ["zero=stage3", f"hf_token={SECRET}"],
+    "error": None,
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Pure helpers
+
+
+@pytest.mark.parametrize(
+    ("requested", "env", "creds", "expected"),
+    [
+        ("auto", {}, False, "offline"),
+        ("auto", {}, True, "online"),
+        ("auto", {"WANDB_MODE": "offline"}, True, "offline"),
+        ("auto", {"WANDB_MODE": "online"}, False, "online"),
+        ("auto", {"WANDB_MODE": "dryrun"}, True, "offline"),
+        ("auto", {"WANDB_MODE": "disabled"}, True, "disabled"),
+        ("auto", {"WANDB_DISABLED": "true"}, True, "disabled"),
+        ("auto", {"WANDB_MODE": "nonsense"}, True, "online"),
+        ("online", {"WANDB_MODE": "offline"}, False, "online"),
+        ("offline", {}, True, "offline"),
+        ("online", {"WANDB_DISABLED": "1"}, True, "disabled"),
+        ("disabled", {"WANDB_MODE": "online"}, True, "disabled"),
+    ],
+)
+def test_resolve_mode(requested: str, env: dict, creds: bool, expected: str) -> None:
+    assert wl.resolve_mode(requested, env, creds) == expected
+
+
+def test_resolve_mode_rejects_unknown_mode() -> None:
+    with pytest.raises(ValueError, match="not one of auto, online, offline, disabled"):
+        wl.resolve_mode("cloud", {}, False)
+
+
+def test_has_credentials_from_env_and_netrc(tmp_path: Path) -> None:
+    netrc = tmp_path / "netrc"
+    assert wl.has_credentials({"WANDB_API_KEY": "k" * 40, "NETRC": str(netrc)})
+    assert not wl.has_credentials({"NETRC": str(netrc)})  # no such file
+    netrc.write_text("machine example.com\n  login user\n  password pw\n")
+    assert not wl.has_credentials({"NETRC": str(netrc)})
+    assert wl.has_credentials({"NETRC": str(netrc), "WANDB_BASE_URL": "https://example.com"})
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    assert wl.has_credentials({"NETRC": str(netrc)})
+    netrc.write_text("machine api.wandb.ai login\n")  # unparsable: not credentials, no exception
+    assert not wl.has_credentials({"NETRC": str(netrc)})
+
+
+def test_redact_replaces_secrets_and_keeps_config() -> None:
+    config = {
+        "wandb": {"api_key": "k", "project": "p", "wandb_key": "k"},
+        "model": {"hf_token": "t", "pad_token_id": 0, "pad_token": "<pad>", "image_token_index": 5},
+        "data": {"image_key": "image", "max_tokens": 64, "aws_secret_access_key": "x"},
+        "db": {"password": "pw", "token": "t"},
+        "overrides": ["zero=stage3", "+hf_token=t"],
+        "hub": HF_SECRET,
+        "unset_token": None,
+    }
+    redacted = wl.redact(config)
+    assert redacted == {
+        "wandb": {"api_key": "<redacted>", "project": "p", "wandb_key": "<redacted>"},
+        "model": {"hf_token": "<redacted>", "pad_token_id": 0, "pad_token": "<pad>", "image_token_index": 5},
+        "data": {"image_key": "image", "max_tokens": 64, "aws_secret_access_key": "<redacted>"},
+        "db": {"password": "<redacted>", "token": "<redacted>"},
+        "overrides": ["zero=stage3", "+hf_token=<redacted>"],
+        "hub": "<redacted>",
+        "unset_token": None,
+    }
+    assert config["wandb"]["api_key"] == "k"  # a copy, the input is untouched
+
+
+def test_run_name() -> None:
+    overrides = [
+        "precision=bf16",
+        "deepspeed=z3_offload",
+        "hydra.run.dir=/tmp/x",
+        "hydra/launcher=joblib",
+        "paths.output_dir=/tmp/y",
+        "+hf_token=abc",
+        "wandb.mode=offline",
+        "data.root=/data",
+    ]
+    assert wl.run_name(overrides) == "deepspeed=z3_offload,precision=bf16"
+    assert wl.run_name([]) == "default"
+    assert wl.run_name(["hydra.verbose=true"]) == "default"
+    assert wl.run_name(["++train.lr=1e-4", "~model.extra"]) == "train.lr=1e-4"
+    assert len(wl.run_name([f"k{i}=v{i}" for i in range(100)])) == 128
+
+
+def test_tags_from_choices() -> None:
+    choices = {
+        "model": "tiny_llava",
+        "precision": "bf16",
+        "comm": "default",
+        "offload": "none",
+        "zero": "stage3",
+        "hydra/launcher": "basic",
+        "hydra/output": "default",
+        "deepspeed": None,
+    }
+    assert wl.tags_from_choices(choices) == [
+        "zero=stage3",
+        "offload=none",
+        "precision=bf16",
+        "comm=default",
+        "model=tiny_llava",
+    ]
+    assert wl.tags_from_choices({**choices, "deepspeed": "z3"})[0] == "deepspeed=z3"
+
+
+def test_library_versions_and_git_commit_never_raise(tmp_path: Path) -> None:
+    versions = wl.library_versions()
+    assert versions["python"] == sys.version.split()[0]
+    assert versions["wandb"] == "0.31.0"
+    assert wl.git_commit(tmp_path) is None  # not a repository
+    assert wl.git_commit(tmp_path / "missing") is None
+
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "f.txt").write_text("a")
+    subprocess.run([*git, "add", "f.txt"], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    sha = wl.git_commit(tmp_path)
+    assert sha is not None and len(sha) == 40
+    (tmp_path / "f.txt").write_text("b")
+    assert wl.git_commit(tmp_path) == f"{sha}+dirty"
+
+
+@pytest.mark.parametrize("module", ["launcher.wandb_logger", "launcher.compare"])
+def test_modules_import_without_torch_or_wandb(module: str) -> None:
+    code = (
+        f"import sys, {module}; heavy = {{'torch', 'wandb', 'matplotlib', 'deepspeed'}} & set(sys.modules); "
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
+
+
+# --------------------------------------------------------------------------------------------------
+# Offline runs, read back with `wandb leet inspect`
+
+
+def test_offline_run_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    run_dir = make_run_dir(tmp_path)
+    # A secret given on the command line must not reach W&B's record of sys.argv either.
+    monkeypatch.setattr(sys, "argv", ["train.py", "zero=stage3", f"hf_token={SECRET}"])
+    started = time.perf_counter()
+    run = WandbRun.start(
+        run_dir,
+        project="vlm-ds",
+        mode="offline",
+        group="sweep-15-30-00",
+        name="deepspeed=z3,precision=bf16",
+        tags=["zero=stage3", "precision=bf16"],
+        config=sample_config(),
+    )
+    init_s = time.perf_counter() - started
+    print(f"offline WandbRun.start took {init_s:.2f} s")
+    assert init_s < 30
+    assert run.enabled and run.mode == "offline"
+    assert run.sync_dir is not None and run.sync_dir.parent == run_dir / "wandb"
+    assert re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run.run_id}(-\d+)?", run.sync_dir.name)
+    assert (run_dir / "wandb_run_id").read_text().strip() == run.run_id
+
+    for step in (1, 2, 3):
+        run.log({"train/loss": 1.0 / step, "perf/samples_per_sec": 30.0 + step}, step=step)
+    run.log({"eval/loss": 0.5, "eval/accuracy": 0.75}, step=3)
+    run.finish(SUMMARY, exit_code=0)
+    run.finish(SUMMARY, exit_code=0)  # a second call is harmless
+    assert "wandb sync " + str(run.sync_dir) in capsys.readouterr().out
+
+    summary = inspect_summary(run)
+    assert summary["state"] == "finished" and summary["exit_code"] == 0
+    assert summary["run_id"] == run.run_id and summary["project"] == "vlm-ds"
+    assert summary["name"] == "deepspeed=z3,precision=bf16"
+    assert summary["tags"] == ["zero=stage3", "precision=bf16"]
+    config = summary["config"]
+    assert config["deepspeed"]["zero_optimization"]["stage"] == 3
+    assert config["model"]["hf_token"] == "<redacted>" and config["wandb"]["api_key"] == "<redacted>"
+    assert config["model"]["pad_token_id"] == 0
+    assert config["versions"]["wandb"] == "0.31.0"
+    s = summary["summary"]
+    assert s["status"] == "completed" and s["final_loss"] == 0.25 and s["peak_memory_bytes"] == 123456789
+    assert s["trainer/step"] == 3 and s["train/loss"] == pytest.approx(1 / 3) and s["eval/accuracy"] == 0.75
+    assert s["choices"] == {"zero": "stage3", "precision": "bf16"}
+    assert s["overrides"] == ["zero=stage3", "hf_token=<redacted>"]
+    assert "eval_accuracy" not in s  # None values are left out
+
+    records, raw = inspect_records(run)
+    (run_record,) = [r["run"] for r in records if r["type"] == "run"]
+    assert run_record["run_group"] == "sweep-15-30-00"
+    assert run_record["job_type"] == "train"
+    assert run_record["display_name"] == "deepspeed=z3,precision=bf16"
+    metrics = {
+        r["metric"].get("glob_name") or r["metric"].get("name"): r["metric"] for r in records if r["type"] == "metric"
+    }
+    for namespace in ("train", "eval", "perf", "mem"):
+        assert metrics[f"{namespace}/*"]["step_metric"] == "trainer/step"
+    history = [r["history"]["item"] for r in records if r["type"] == "history"]
+    assert [h["trainer/step"] for h in history] == [1, 2, 3, 3]
+    saved = {f["path"] for r in records if r["type"] == "files" for f in r["files"]["files"]}
+    assert {"ds_config.json", "hydra_config.yaml"} <= saved
+    environment = [r["environment"] for r in records if r["type"] == "environment" and "args" in r["environment"]]
+    assert environment[0]["args"] == ["zero=stage3", "hf_token=<redacted>"]
+
+    files = run.sync_dir / "files"
+    assert json.loads((files / "ds_config.json").read_text())["hf_token"] == "<redacted>"
+    assert "hf_token: <redacted>" in (files / "hydra_config.yaml").read_text()
+    assert SECRET not in raw
+    for path in (run_dir / "wandb").rglob("*"):
+        if path.is_file():
+            assert SECRET.encode() not in path.read_bytes(), path
+
+
+def test_resume_continues_the_same_run(tmp_path: Path, capsys) -> None:
+    run_dir = make_run_dir(tmp_path)
+    first = WandbRun.start(run_dir, project="vlm-ds", mode="offline", group="g", config=sample_config())
+    first.log({"train/loss": 1.0}, step=1)
+    first.finish({"status": "preempted", "steps": 1}, exit_code=1)
+
+    # Same run directory: the stored id is picked up.
+    second = WandbRun.start(run_dir, project="vlm-ds", mode="offline", group="g", config=sample_config())
+    assert second.run_id == first.run_id and second.sync_dir != first.sync_dir
+    second.log({"train/loss": 0.5}, step=2)
+    second.finish({"status": "completed", "steps": 2}, exit_code=0)
+    hint = capsys.readouterr().out.strip().splitlines()[-1]
+    assert f"wandb sync {run_dir / 'wandb'}/offline-run-*-{first.run_id}*" in hint
+
+    # A new run directory (Hydra makes one per launch) resuming by explicit id.
+    other_dir = tmp_path / "resumed"
+    third = WandbRun.start(other_dir, project="vlm-ds", mode="offline", resume_id=first.run_id)
+    assert third.run_id == first.run_id
+    assert (other_dir / "wandb_run_id").read_text().strip() == first.run_id
+    third.log({"train/loss": 0.25}, step=3)
+    third.finish({"status": "completed"}, exit_code=0)
+
+    summaries = [inspect_summary(r) for r in (first, second, third)]
+    assert {s["run_id"] for s in summaries} == {first.run_id}
+    assert [s["summary"]["trainer/step"] for s in summaries] == [1, 2, 3]
+    assert [s["summary"]["status"] for s in summaries] == ["preempted", "completed", "completed"]
+    assert summaries[0]["exit_code"] == 1
+
+
+def test_disabled_run_is_a_no_op(tmp_path: Path) -> None:
+    run = WandbRun.start(tmp_path / "run", project="p", mode="disabled")
+    assert not run.enabled and run.mode == "disabled"
+    run.log({"train/loss": 1.0}, step=1)
+    run.finish({"status": "completed"}, exit_code=0)
+    assert not (tmp_path / "run").exists()
+
+
+def test_unresolved_mode_is_a_programming_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="must be resolved first"):
+        WandbRun.start(tmp_path, project="p", mode="auto")
+
+
+def test_online_without_credentials_logs_offline(tmp_path: Path, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="launcher.wandb_logger"):
+        run = WandbRun.start(tmp_path / "run", project="p", mode="online")
+    assert run.mode == "offline" and run.enabled
+    assert "no credentials" in caplog.text
+    run.finish({}, exit_code=0)
+
+
+class BrokenRun:
+    """A W&B run whose every call fails, as when the W&B service dies mid-training."""
+
+    id = "broken01"
+    dir = "/nonexistent"
+    settings = None
+
+    def log(self, *args, **kwargs):
+        raise RuntimeError("wandb service is gone\nsecond line")
+
+    def finish(self, *args, **kwargs):
+        raise RuntimeError("still gone")
+
+    @property
+    def summary(self):
+        raise RuntimeError("still gone")
+
+
+def test_w_and_b_errors_disable_logging_instead_of_raising(tmp_path: Path, caplog) -> None:
+    run = WandbRun(BrokenRun(), tmp_path, "offline")
+    with caplog.at_level(logging.WARNING, logger="launcher.wandb_logger"):
+        run.log({"train/loss": 1.0}, step=1)
+        run.log({"train/loss": 1.0}, step=2)
+        run.finish({"status": "completed"}, exit_code=0)
+    assert not run.enabled
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings == [
+        "W&B logging disabled after an error while logging metrics: RuntimeError: wandb service is gone"
+    ]
+
+    run = WandbRun(BrokenRun(), tmp_path, "offline")
+    with caplog.at_level(logging.WARNING, logger="launcher.wandb_logger"):
+        run.finish({"status": "completed"}, exit_code=0)
+    assert "W&B finish failed" in caplog.text
+
+
+@pytest.mark.slow
+def test_unreachable_server_falls_back_to_offline(tmp_path: Path, monkeypatch, caplog) -> None:
+    # Credentials present, server unreachable (a closed local port): online init times out.
+    monkeypatch.setenv("WANDB_API_KEY", "a" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    assert wl.resolve_mode("auto", os.environ, wl.has_credentials()) == "online"
+    started = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="launcher.wandb_logger"):
+        run = WandbRun.start(tmp_path / "run", project="p", mode="online", group="g", init_timeout_s=2)
+    assert time.perf_counter() - started < 60
+    assert run.enabled and run.mode == "offline"
+    assert "W&B online init failed" in caplog.text and "logging offline instead" in caplog.text
+    run.log({"train/loss": 1.0}, step=1)
+    run.finish({"status": "completed"}, exit_code=0)
+    summary = inspect_summary(run)
+    assert summary["run_id"] == run.run_id and summary["summary"]["status"] == "completed"
+
+
+def test_start_for_job_builds_the_run_from_the_job(tmp_path: Path, monkeypatch) -> None:
+    run_dir = make_run_dir(tmp_path)
+    cfg = {
+        "logger": {"name": "wandb", "enabled": True, "project": "vlm-ds", "entity": None, "mode": "offline"},
+        "model": {"name": "tiny_llava", "hf_token": SECRET},
+        "train": {"max_steps": 3},
+    }
+    job = {
+        "group": "sweep-2026-11-29-15-30-00",
+        "overrides": ["deepspeed=z3", "precision=bf16", "hydra.job.num=0"],
+        "choices": {"zero": "stage3", "precision": "bf16", "deepspeed": "z3", "model": "tiny_llava"},
+        "world_size": 2,
+        "hidden_size": 64,
+        "device": "cpu",
+    }
+    ds = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
+    ds["zero_optimization"] = {"stage": 3}
+    run = wl.start_for_job(cfg=cfg, run_dir=run_dir, job=job, ds_config=ds, summary={})
+    assert run is not None and run.mode == "offline"
+    run.finish({"status": "completed"}, exit_code=0)
+
+    summary = inspect_summary(run)
+    assert summary["name"] == "deepspeed=z3,precision=bf16"
+    assert summary["tags"] == ["deepspeed=z3", "zero=stage3", "precision=bf16", "model=tiny_llava"]
+    config = summary["config"]
+    assert config["deepspeed"]["zero_optimization"]["stage"] == 3
+    assert config["effective_batch"]["train_batch_size"] == 16 and config["world_size"] == 2
+    assert config["model"]["hf_token"] == "<redacted>" and config["versions"]["python"]
+    records, _ = inspect_records(run)
+    (run_record,) = [r["run"] for r in records if r["type"] == "run"]
+    assert run_record["run_group"] == "sweep-2026-11-29-15-30-00" and run_record["job_type"] == "train"
+
+    assert wl.start_for_job(cfg={**cfg, "logger": {"mode": "disabled"}}, run_dir=run_dir, job=job, ds_config=ds) is None
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert wl.start_for_job(cfg=cfg, run_dir=tmp_path / "other", job=job, ds_config=ds) is None
