@@ -174,9 +174,9 @@ def derived_bucket_sizes(hidden_size: int) -> dict[str, int]:
 
 
 def warmup_steps(train: Mapping[str, Any]) -> int:
-    """Linear warm-up length: as given, or 10% of the run (DeepSpeed's WarmupCosineLR needs >= 1)."""
+    """Linear warm-up length: as given, or 5% of the run (DeepSpeed's WarmupCosineLR needs >= 1)."""
     given = train["warmup_steps"]
-    return max(1, int(train["max_steps"]) // 10) if given is None else int(given)
+    return max(1, int(train["max_steps"]) // 20) if given is None else int(given)
 
 
 def _check_train(train: Mapping[str, Any]) -> None:
@@ -465,6 +465,22 @@ def check_ds_config(ds: Mapping[str, Any], *, world_size: int, device: Device) -
         raise LauncherError(f"gradient_clipping={clip} must be a non-negative number (0 disables clipping)")
 
 
+def _batch_givens(
+    train: Mapping[str, Any], base: Mapping[str, Any] | None, explicit_groups: frozenset[str]
+) -> tuple[int | None, int | None, int | None]:
+    """(micro, accumulation, global) to resolve: the train node's, unless a base JSON fixes some of
+    them and no train.* override was given, in which case the base's concrete values decide."""
+    ours = (train["micro_batch_size"], train["grad_accum"], train["global_batch_size"])
+    if base is None or "train" in explicit_groups:
+        return ours
+    total, micro, accum = (None if _is_unset(base.get(key)) else base.get(key) for key in BATCH_KEYS)
+    if micro is None and accum is None and total is None:
+        return ours
+    if micro is None and (accum is None or total is None):
+        micro = ours[0]  # the base alone does not determine the batch: take our micro batch
+    return micro, accum, total
+
+
 def build_ds_config(
     cfg: Mapping[str, Any],
     *,
@@ -481,8 +497,7 @@ def build_ds_config(
     DeepSpeed JSON; `explicit_groups` are the groups named on the command line, which override it.
     """
     _check_train(cfg["train"])
-    train = cfg["train"]
-    batch = resolve_batch_sizes(train["micro_batch_size"], train["grad_accum"], train["global_batch_size"], world_size)
+    batch = resolve_batch_sizes(*_batch_givens(cfg["train"], base, explicit_groups), world_size)
     dtype = resolve_precision(cfg["precision"]["dtype"], device)
     composed = _composed(cfg, batch, dtype, hidden_size)
     if base is not None:

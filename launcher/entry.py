@@ -8,6 +8,7 @@ line on stderr and exit code 2 (or, inside a sweep, as a failed job the sweep re
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -16,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.errors import LauncherError
+from launcher.errors import LauncherError, one_line
 from launcher.rundir import JOB_FILE, write_failed_summary, write_json_atomic
 
 
@@ -119,12 +120,15 @@ def run_job(cfg: DictConfig) -> float | None:
         write_json_atomic(run_dir / JOB_FILE, job)
         from launcher.processes import launch
 
-        summary = launch(cfg, run_dir)
+        summary = launch(cfg, run_dir, isolate=context["multirun"])
     except LauncherError as err:
-        write_failed_summary(run_dir, context, str(err), wall_s=time.time() - started)
-        print(f"error: {err}", file=sys.stderr)
+        message = one_line(err)
+        write_failed_summary(run_dir, context, message, wall_s=time.time() - started)
+        print(f"error: {message}", file=sys.stderr)
         if context["multirun"]:
-            return None  # the sweep records the failure and goes on; it exits non-zero at the end
+            # The sweep records the failure and goes on (it exits non-zero at the end); NaN marks
+            # the trial as failed for optimising sweepers such as Optuna.
+            return math.nan
         sys.exit(err.exit_code)
     objective = summary.get("objective")
-    return objective
+    return math.nan if objective is None else float(objective)

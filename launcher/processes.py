@@ -48,46 +48,57 @@ def _master_port(cfg: DictConfig) -> int:
     return port
 
 
-def launch(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """Train with the job planned in `run_dir`; returns rank 0's summary."""
+def _single_rank_env(cfg: DictConfig, port: int) -> dict[str, str]:
+    return {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": str(cfg.dist.master_addr),
+        "MASTER_PORT": str(port),
+    }
+
+
+def launch(cfg: DictConfig, run_dir: Path, *, isolate: bool = False) -> dict[str, Any]:
+    """Train with the job planned in `run_dir`; returns rank 0's summary.
+
+    One rank runs in this process, unless `isolate` (set for the jobs of a sweep): DeepSpeed keeps
+    process-group state in module globals that a second job in the same process would trip over,
+    and a crashing job must not take the sweep down with it.
+    """
     if cfg.dist.launcher != "local":
         raise LauncherError(f"dist.launcher={cfg.dist.launcher} is unknown: use dist=local")
     nproc = int(cfg.dist.nproc_per_node)
     port = _master_port(cfg)
-    if nproc == 1 and cfg.dist.nnodes == 1:
-        os.environ.update(
-            {
-                "RANK": "0",
-                "LOCAL_RANK": "0",
-                "WORLD_SIZE": "1",
-                "LOCAL_WORLD_SIZE": "1",
-                "MASTER_ADDR": str(cfg.dist.master_addr),
-                "MASTER_PORT": str(port),
-            }
-        )
-        from launcher.train_loop import train
-
-        return train(cfg, run_dir)
-
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        f"--nnodes={cfg.dist.nnodes}",
-        f"--master_addr={cfg.dist.master_addr}",
-        f"--master_port={port}",
-        "-m",
-        "launcher.worker",
-        str(run_dir),
-    ]
-    # OMP threads: torchrun would default each rank to 1 thread; share the cores between ranks.
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if nproc == 1 and cfg.dist.nnodes == 1:
+        if not isolate:
+            os.environ.update(_single_rank_env(cfg, port))
+            from launcher.train_loop import train
+
+            return train(cfg, run_dir)
+        command = [sys.executable, "-m", "launcher.worker", str(run_dir)]
+        env.update(_single_rank_env(cfg, port))
+    else:
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            f"--nnodes={cfg.dist.nnodes}",
+            f"--master_addr={cfg.dist.master_addr}",
+            f"--master_port={port}",
+            "-m",
+            "launcher.worker",
+            str(run_dir),
+        ]
+        # torchrun would give each rank 1 thread; share the cores between the ranks instead.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     completed = subprocess.run(command, env=env, check=False)
     summary_path = run_dir / SUMMARY_FILE
     summary = read_json(summary_path) if summary_path.is_file() else {}
     if completed.returncode != 0 or summary.get("status") != "completed":
-        error = summary.get("error") or f"torchrun exited with code {completed.returncode}"
-        raise TrainingFailed(error)
+        error = summary.get("error") or f"training exited with code {completed.returncode}"
+        # A worker that stopped on a user's mistake (bad data, say) exits 2, as the launcher would.
+        raise (LauncherError if completed.returncode == 2 else TrainingFailed)(error)
     return summary

@@ -76,22 +76,22 @@ class CommConfig:
 class TrainConfig:
     """Training knobs the DeepSpeed dict depends on. Give any two of the three batch sizes."""
 
-    micro_batch_size: int | None = 16  # per device
+    micro_batch_size: int | None = 32  # per device
     grad_accum: int | None = None
     global_batch_size: int | None = None
-    max_steps: int = 300
-    lr: float = 3e-3
+    max_steps: int = 1000
+    lr: float = 1e-3
     weight_decay: float = 0.0
-    warmup_steps: int | None = None  # null: 10% of max_steps
+    warmup_steps: int | None = None  # null: 5% of max_steps
     # Floor of the cosine schedule, as a fraction of lr.
     min_lr_ratio: float = 0.05
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
     seed: int = 0
-    eval_every: int = 100  # 0: evaluate only at the end
+    eval_every: int = 250  # 0: evaluate only at the end
     save_every: int = 0  # 0: checkpoint only at the end
-    log_every: int = 10
+    log_every: int = 100
 
 
 @dataclass
@@ -107,7 +107,7 @@ class ModelConfig:
     freeze_projector: bool = False
     freeze_language: bool = False
     # Dimensions of a tiny model (ignored for pretrained models, whose config says).
-    hidden_size: int = 128
+    hidden_size: int = 64
     num_layers: int = 2
     vision_hidden_size: int = 64
     vision_layers: int = 2

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.errors import LauncherError, TrainingFailed
+from launcher.errors import LauncherError, TrainingFailed, one_line
 from launcher.rundir import (
     DS_CONFIG_FILE,
     JOB_FILE,
@@ -106,7 +106,7 @@ def _peak_memory_bytes(device: torch.device) -> int:
 
 
 # ----------------------------------------------------------------------------- data and model
-def _prepare_data(cfg: DictConfig, cache: Path) -> tuple[Path, Path | None, Path | None]:
+def prepare_data(cfg: DictConfig, cache: Path) -> tuple[Path, Path | None, Path | None]:
     """The train file, eval file and image root; the built-in data set is generated first."""
     from launcher.data import generate_shapes
 
@@ -179,6 +179,8 @@ def _evaluate(
 ) -> dict[str, float]:
     from launcher.data import exact_match_accuracy
 
+    if eval_loader is None:  # no held-out data given
+        return {}
     engine.eval()
     dtype = _engine_dtype(engine)
     loss_sum, count = 0.0, 0.0
@@ -186,10 +188,8 @@ def _evaluate(
         outputs = engine(**_to_device(batch, device, dtype))
         loss_sum += float(outputs.loss) * batch["input_ids"].shape[0]
         count += batch["input_ids"].shape[0]
-    metrics: dict[str, float] = {}
-    if eval_loader is not None:
-        total_loss, total_count = _all_reduce_sum([loss_sum, count], device)
-        metrics["eval/loss"] = total_loss / max(total_count, 1.0)
+    total_loss, total_count = _all_reduce_sum([loss_sum, count], device)
+    metrics = {"eval/loss": total_loss / max(total_count, 1.0)}
     if cfg.data.eval_accuracy and eval_set is not None:
         stage3 = engine.zero_optimization_stage() == 3
         correct, total = exact_match_accuracy(
@@ -290,7 +290,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         return summary
     except BaseException as err:
         status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
-        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        message = one_line(err)
         if not isinstance(err, LauncherError):
             message = f"{type(err).__name__}: {message}"
         summary.update({"status": status, "error": message, "wall_s": round(time.time() - started, 3)})
@@ -332,9 +332,9 @@ def _train(
 
     # Data and model files: rank 0 generates/builds what is missing, the others wait and then read.
     if is_main:
-        train_file, eval_file, image_root = _prepare_data(cfg, cache)
+        train_file, eval_file, image_root = prepare_data(cfg, cache)
     _barrier()
-    train_file, eval_file, image_root = _prepare_data(cfg, cache)
+    train_file, eval_file, image_root = prepare_data(cfg, cache)
     records, skipped = load_records(train_file, image_root, on_bad_record=cfg.data.on_bad_record)
     eval_records: list[dict[str, Any]] = []
     if eval_file is not None:
@@ -512,9 +512,7 @@ def _grad_norm(engine: Any, fallback: float) -> float:
 
 def _params_held_per_rank(engine: Any, device: torch.device) -> list[int]:
     """Parameter elements each rank holds: its ZeRO-3 partition, or everything below stage 3."""
-    held = sum(
-        p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in engine.module.parameters()
-    )
+    held = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in engine.module.parameters())
     counts = torch.zeros(torch.distributed.get_world_size(), dtype=torch.int64, device=device)
     counts[torch.distributed.get_rank()] = held
     if torch.distributed.get_world_size() > 1:

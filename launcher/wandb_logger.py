@@ -557,7 +557,7 @@ def start_for_job(
         mode=mode,
         group=job.get("group"),
         name=run_name(job.get("overrides") or []),
-        tags=tags_from_choices(job.get("choices") or {}),
+        tags=[*tags_from_choices(job.get("choices") or {}), *(logger_cfg.get("tags") or [])],
         config=job_config(cfg, job, ds_config),
         resume_id=resume_id,
     )

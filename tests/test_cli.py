@@ -42,7 +42,7 @@ def test_dry_run_writes_and_prints_the_final_deepspeed_json(run_train, tmp_path)
     assert zero["stage"] == 3
     assert zero["offload_param"]["device"] == "cpu" and zero["offload_optimizer"]["device"] == "cpu"
     assert written["bf16"]["enabled"] is True
-    assert zero["reduce_bucket_size"] == 128 * 128  # tiny_llava's language model: hidden 128
+    assert zero["reduce_bucket_size"] == 64 * 64  # tiny_llava's language model: hidden 64
     assert not (run_dir / "metrics.jsonl").exists()  # trains nothing
 
 
@@ -62,8 +62,8 @@ def test_deepspeed_json_migration_from_the_command_line(run_train, tmp_path):
     ds = json.loads((run_dir / "ds_config.json").read_text())
     assert ds["zero_optimization"]["stage"] == 2
     assert ds["zero_optimization"]["overlap_comm"] is False
-    assert ds["zero_optimization"]["reduce_bucket_size"] == 128 * 128
-    assert ds["train_micro_batch_size_per_gpu"] == 16 and ds["bf16"]["enabled"] is True
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 64 * 64
+    assert ds["train_micro_batch_size_per_gpu"] == 32 and ds["bf16"]["enabled"] is True
 
 
 BAD_INPUTS = [
@@ -129,3 +129,71 @@ def test_deepspeed_launcher_local_rank_argument_does_not_break_hydra(run_train, 
     result = run_train("--local_rank=0", "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}")
     assert result.returncode == 0, result.stderr
     assert Path(tmp_path / "run" / "ds_config.json").is_file()
+
+
+def _write_records(root: Path, records: object, name: str = "train.json") -> Path:
+    from PIL import Image
+
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (32, 32), (200, 20, 20)).save(root / "images" / "ok.png")
+    (root / "images" / "broken.png").write_bytes(b"not a png")
+    path = root / name
+    path.write_text(records if isinstance(records, str) else json.dumps(records))
+    return path
+
+
+GOOD = {
+    "image": "images/ok.png",
+    "conversations": [{"from": "human", "value": "<image>\nwhat?"}, {"from": "gpt", "value": "red"}],
+}
+NO_ANSWER = {"image": "images/ok.png", "conversations": [{"from": "human", "value": "<image>\nwhat?"}]}
+MISSING_IMAGE = {**GOOD, "image": "images/nowhere.png"}
+BAD_DATA = [
+    ("malformed", '[{"image": "images/ok.png",]', "train.json:1: malformed JSON"),
+    ("jsonl-malformed", json.dumps(GOOD) + "\n{oops\n", "train.json:2"),
+    ("missing-image", [GOOD, MISSING_IMAGE], "record 1"),
+    ("no-assistant", [GOOD, NO_ANSWER], "record 1"),
+    ("empty", [], "train.json"),
+    ("unreadable-image", [{**GOOD, "image": "images/broken.png"}] * 40, "broken.png"),
+]
+
+
+@pytest.mark.parametrize(("case", "records", "message"), BAD_DATA, ids=[c for c, _, _ in BAD_DATA])
+def test_bad_data_names_the_file_and_record(run_train, tmp_path, case, records, message):
+    path = _write_records(tmp_path / "data", records)
+    run_dir = tmp_path / "run"
+    result = run_train(
+        "data=llava_json", f"data.path={path}", "logger=none", "train.micro_batch_size=4", f"hydra.run.dir={run_dir}"
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error_lines) == 1 and message in error_lines[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and message in summary["error"]
+    assert not (run_dir / "model").exists()
+
+
+def test_bad_records_can_be_skipped_and_counted(run_train, tmp_path):
+    path = _write_records(tmp_path / "data", [GOOD] * 8 + [MISSING_IMAGE, NO_ANSWER])
+    run_dir = tmp_path / "run"
+    result = run_train(
+        "data=llava_json",
+        f"data.path={path}",
+        "data.on_bad_record=skip",
+        "logger=none",
+        "train.micro_batch_size=4",
+        "train.max_steps=2",
+        f"hydra.run.dir={run_dir}",
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["records_skipped"] == 2
+
+
+def test_missing_data_file_is_named(run_train, tmp_path):
+    result = run_train(
+        "data=llava_json", "data.path=/nonexistent/train.json", "logger=none", f"hydra.run.dir={tmp_path}"
+    )
+    assert result.returncode == 2
+    assert "error: data.path=/nonexistent/train.json: no such file" in result.stderr

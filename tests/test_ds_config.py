@@ -254,6 +254,7 @@ def _golden_cfg(overrides: list[str]) -> dict[str, Any]:
             "train.max_steps=1000",
             "train.warmup_steps=30",
             "train.weight_decay=0.0",
+            "train.log_every=10",
         ]
     )
 
@@ -306,7 +307,7 @@ def test_fractional_bucket_size_is_an_error():
     [
         ("train.lr=0", "train.lr=0.0 must be positive"),
         ("train.max_steps=0", "train.max_steps=0 must be positive"),
-        ("train.warmup_steps=400", r"train.warmup_steps=400 must lie in \[1, train.max_steps=300\)"),
+        ("train.warmup_steps=1400", r"train.warmup_steps=1400 must lie in \[1, train.max_steps=1000\)"),
         ("train.warmup_steps=0", r"train.warmup_steps=0 must lie in .* needs at least one warm-up step"),
         ("train.grad_clip=-1", "train.grad_clip=-1.0 must not be negative"),
         ("train.weight_decay=-0.1", "train.weight_decay=-0.1 must not be negative"),
@@ -408,6 +409,19 @@ def test_align_anything_nulls_are_filled_and_command_line_groups_override():
     assert "offload_param" not in zero and "offload_optimizer" not in zero  # offload=none was given
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * 2 * 2
     assert base == ALIGN_ANYTHING_Z3_OFFLOAD  # the caller's dict is not modified
+
+
+def test_concrete_batch_sizes_of_a_json_base_decide_unless_train_is_given():
+    base = {"train_micro_batch_size_per_gpu": 16, "train_batch_size": None, "gradient_accumulation_steps": None}
+    ds = build(compose_plain(), world_size=2, base=base)
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (
+        32,
+        16,
+        1,
+    )
+    overrides = ["train.micro_batch_size=4"]
+    ds = build(compose_plain(overrides), base=base, explicit_groups=explicit_groups_from_overrides(overrides))
+    assert ds["train_micro_batch_size_per_gpu"] == 4
 
 
 def test_a_json_base_still_meets_the_rules():

@@ -7,11 +7,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from omegaconf import OmegaConf
+
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
 
 # Short runs: no W&B, no generation (unless a test wants it), 20 steps at fp32.
-SHORT = ["logger=none", "train.max_steps=20", "train.eval_every=0", "data.eval_accuracy=false", "train.seed=1"]
+SHORT = [
+    "logger=none",
+    "train.micro_batch_size=8",
+    "train.max_steps=20",
+    "train.eval_every=0",
+    "data.eval_accuracy=false",
+    "train.seed=1",
+]
 
 
 def metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -61,10 +71,12 @@ def test_default_job_learns_and_its_saved_model_reloads(run_train, tmp_path):
 
     model = AutoModelForImageTextToText.from_pretrained(run_dir / "model")
     processor = AutoProcessor.from_pretrained(run_dir / "model")
-    cache = Path(__file__).resolve().parents[1] / "outputs" / "cache" / "data"
-    eval_file = next(cache.glob("shapes_seed0_*/eval.json"))
-    records, _ = load_records(eval_file, eval_file.parent)
     from launcher.data import exact_match_accuracy
+    from launcher.train_loop import prepare_data
+
+    run_cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    _, eval_file, image_root = prepare_data(run_cfg, ROOT / "outputs" / "cache")  # the run's cached data
+    records, _ = load_records(eval_file, image_root)
 
     correct, total = exact_match_accuracy(model, processor, ConversationDataset(records), max_new_tokens=4)
     assert correct / total == pytest.approx(result_summary["eval_accuracy"], abs=0.011)

@@ -1,0 +1,387 @@
+"""Shapes generation, record loading and its errors, collation labels, exact-match evaluation."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from launcher.data import (
+    COLOURS,
+    IGNORE_INDEX,
+    QUESTION,
+    SHAPES,
+    Collator,
+    ConversationDataset,
+    PromptCollator,
+    exact_match_accuracy,
+    generate_shapes,
+    load_records,
+    normalize_answer,
+    to_chat_messages,
+)
+from launcher.errors import LauncherError
+from launcher.models import TINY_ARCHITECTURES, build_tiny_model_dir, load_model_and_processor
+
+VOCABULARY = [QUESTION] + [f"{c} {s}" for c in COLOURS for s in SHAPES] + ["what colour?", "and the shape?"]
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory) -> tuple[Path, Path, Path]:
+    return generate_shapes(tmp_path_factory.mktemp("data") / "shapes", seed=0, n_train=72, n_eval=36, image_size=32)
+
+
+@pytest.fixture(scope="module", params=TINY_ARCHITECTURES)
+def model_and_processor(request, tmp_path_factory):
+    out = build_tiny_model_dir(
+        request.param,
+        tmp_path_factory.mktemp("model") / request.param,
+        VOCABULARY,
+        seed=0,
+        hidden_size=64,
+        num_layers=1,
+        vision_hidden_size=32,
+        vision_layers=1,
+        image_size=32,
+        patch_size=8,
+    )
+    return load_model_and_processor(str(out))
+
+
+def write_image(path: Path) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (32, 32), "blue").save(path)
+    return path.name
+
+
+def record(image: str = "a.png", answer: str = "blue square", **extra) -> dict:
+    turns = [{"from": "human", "value": f"<image>\n{QUESTION}"}, {"from": "gpt", "value": answer}]
+    return {"image": image, "conversations": turns, **extra}
+
+
+MULTI_TURN = {
+    "id": "multi",
+    "image": "a.png",
+    "conversations": [
+        {"from": "human", "value": "<image>\nwhat colour?"},
+        {"from": "gpt", "value": "blue"},
+        {"from": "human", "value": "and the shape?"},
+        {"from": "gpt", "value": "square"},
+    ],
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shapes
+
+
+def test_shapes_are_deterministic_balanced_and_disjoint(tmp_path, shapes):
+    train_json, eval_json, root = shapes
+    again = generate_shapes(tmp_path / "again", seed=0, n_train=72, n_eval=36, image_size=32)
+    assert train_json.read_bytes() == again[0].read_bytes() and eval_json.read_bytes() == again[1].read_bytes()
+    for name in ("train/00000.png", "eval/00035.png"):
+        assert (root / name).read_bytes() == (again[2] / name).read_bytes()
+    other = generate_shapes(tmp_path / "other", seed=1, n_train=72, n_eval=36, image_size=32)
+    assert (root / "train/00000.png").read_bytes() != (other[2] / "train/00000.png").read_bytes()
+
+    train, _ = load_records(train_json, root)
+    held_out, _ = load_records(eval_json, root)
+    answers = [r["conversations"][1]["value"] for r in train]
+    assert sorted(set(answers)) == sorted(f"{c} {s}" for c in COLOURS for s in SHAPES)
+    assert all(answers.count(a) == 4 for a in set(answers))  # 72 images, 18 answers
+
+    def digests(records):
+        return {hashlib.sha1(np.asarray(Image.open(r["image"])).tobytes()).hexdigest() for r in records}
+
+    assert len(digests(train)) == 72 and len(digests(held_out)) == 36
+    assert not digests(train) & digests(held_out)
+    assert Image.open(root / "train/00000.png").size == (32, 32)
+
+
+def test_shapes_reuse_a_complete_set(tmp_path):
+    paths = generate_shapes(tmp_path / "s", seed=3, n_train=4, n_eval=2, image_size=16)
+    marker = tmp_path / "s" / "shapes.json"
+    stamp = marker.stat().st_mtime_ns
+    assert generate_shapes(tmp_path / "s", seed=3, n_train=4, n_eval=2, image_size=16) == paths
+    assert marker.stat().st_mtime_ns == stamp
+    generate_shapes(tmp_path / "s", seed=3, n_train=5, n_eval=2, image_size=16)
+    assert len(json.loads(paths[0].read_text())) == 5
+    assert [p.name for p in tmp_path.iterdir()] == ["s"]  # no temp dirs left behind
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading
+
+
+def test_loads_json_list_json_lines_and_multi_turn(tmp_path):
+    write_image(tmp_path / "img" / "a.png")
+    records = [record(id="one"), MULTI_TURN]
+    as_list = tmp_path / "list.json"
+    as_list.write_text(json.dumps(records, indent=2))
+    as_lines = tmp_path / "lines.jsonl"
+    as_lines.write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
+
+    for path in (as_list, as_lines):
+        loaded, skipped = load_records(path, tmp_path / "img")
+        assert skipped == 0 and [r["id"] for r in loaded] == ["one", "multi"]
+        assert loaded[1]["conversations"] == MULTI_TURN["conversations"]
+        assert Path(loaded[0]["image"]).is_absolute() and Path(loaded[0]["image"]).is_file()
+
+
+def test_to_chat_messages_places_the_image():
+    messages = to_chat_messages(MULTI_TURN["conversations"])
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+    assert messages[0]["content"] == [{"type": "image"}, {"type": "text", "text": "what colour?"}]
+    assert messages[1]["content"] == [{"type": "text", "text": "blue"}]
+    # No placeholder: the image goes first in the first human turn, as in LLaVA.
+    no_placeholder = to_chat_messages([{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}])
+    assert no_placeholder[0]["content"] == [{"type": "image"}, {"type": "text", "text": "hi"}]
+
+
+def bad_record_cases():
+    ok = record()
+    return {
+        "missing image": ({k: v for k, v in ok.items() if k != "image"}, "missing 'image'"),
+        "missing conversations": ({"image": "a.png"}, "missing 'conversations'"),
+        "image file missing": (record(image="nope.png"), "nope.png does not exist"),
+        "no assistant turn": (
+            {"image": "a.png", "conversations": [{"from": "human", "value": "<image>\nhi"}]},
+            "no assistant",
+        ),
+        "image in an answer": (
+            {
+                "image": "a.png",
+                "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "<image>"}],
+            },
+            "must be in a human turn",
+        ),
+        "two images": (
+            {
+                "image": "a.png",
+                "conversations": [{"from": "human", "value": "<image><image>"}, {"from": "gpt", "value": "x"}],
+            },
+            "one image per record",
+        ),
+        "unknown speaker": (
+            {"image": "a.png", "conversations": [{"from": "bot", "value": "x"}]},
+            "unknown speaker",
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(bad_record_cases()))
+@pytest.mark.parametrize("layout", ["list", "lines"])
+def test_bad_records_name_file_and_record(tmp_path, case, layout):
+    write_image(tmp_path / "img" / "a.png")
+    bad, reason = bad_record_cases()[case]
+    records = [record(), bad, record()]
+    path = tmp_path / ("data.json" if layout == "list" else "data.jsonl")
+    if layout == "list":
+        path.write_text(json.dumps(records))
+        where = f"{path} record 1"
+    else:
+        path.write_text("\n".join(json.dumps(r) for r in records))
+        where = f"{path}:2 (record 1)"
+    with pytest.raises(LauncherError) as info:
+        load_records(path, tmp_path / "img")
+    message = str(info.value)
+    assert message.startswith(where) and reason in message and "\n" not in message
+
+    kept, skipped = load_records(path, tmp_path / "img", on_bad_record="skip")
+    assert (len(kept), skipped) == (2, 1)
+
+
+def test_malformed_json_names_the_line(tmp_path):
+    write_image(tmp_path / "a.png")
+    as_list = tmp_path / "list.json"
+    as_list.write_text('[\n  {"image": "a.png",\n   "conversations": [}\n]')
+    with pytest.raises(LauncherError, match=rf"^{as_list}:3: malformed JSON"):
+        load_records(as_list, tmp_path)
+
+    as_lines = tmp_path / "lines.jsonl"
+    as_lines.write_text(json.dumps(record()) + "\n{not json\n" + json.dumps(record()) + "\n")
+    with pytest.raises(LauncherError, match=rf"^{as_lines}:2: malformed JSON in record 1"):
+        load_records(as_lines, tmp_path)
+    assert load_records(as_lines, tmp_path, on_bad_record="skip")[1] == 1
+
+
+def test_empty_data_sets_are_errors(tmp_path):
+    empty = tmp_path / "empty.json"
+    empty.write_text("[]")
+    with pytest.raises(LauncherError, match="empty data set"):
+        load_records(empty, tmp_path)
+    all_bad = tmp_path / "bad.jsonl"
+    all_bad.write_text(json.dumps(record(image="gone.png")) + "\n")
+    with pytest.raises(LauncherError, match=r"empty data set \(all 1 records are bad"):
+        load_records(all_bad, tmp_path, on_bad_record="skip")
+    with pytest.raises(LauncherError, match="cannot read the data file"):
+        load_records(tmp_path / "absent.json", tmp_path)
+
+
+def test_undecodable_image_fails_at_load_time_naming_file_and_record(tmp_path):
+    (tmp_path / "broken.png").write_bytes(b"not a png at all")
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps([record(image="broken.png")]))
+    records, _ = load_records(path, tmp_path)  # existence is checked up front, decoding later
+    with pytest.raises(LauncherError, match=rf"^{path} record 0: cannot decode image .*broken.png"):
+        ConversationDataset(records)[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Collation and evaluation
+
+
+def labelled_text(processor, batch, row: int) -> str:
+    ids = batch["input_ids"][row][batch["labels"][row] != IGNORE_INDEX]
+    return "".join(processor.tokenizer.decode(ids).split())
+
+
+def test_collator_labels_only_assistant_tokens(tmp_path, model_and_processor):
+    model, processor = model_and_processor
+    write_image(tmp_path / "a.png")
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps([record(), MULTI_TURN]))
+    dataset = ConversationDataset(load_records(path, tmp_path)[0])
+    batch = Collator(processor)([dataset[0], dataset[1]])
+
+    eos = processor.tokenizer.eos_token
+    assert labelled_text(processor, batch, 0) == f"bluesquare{eos}"
+    assert labelled_text(processor, batch, 1) == f"blue{eos}square{eos}"
+    # Right padding: the shorter row ends in padding, which is never labelled.
+    assert batch["attention_mask"][0, -1] == 0 and batch["attention_mask"][0, 0] == 1
+    assert (batch["labels"][batch["attention_mask"] == 0] == IGNORE_INDEX).all()
+    image_token = batch["input_ids"] == processor.image_token_id
+    assert image_token.any() and (batch["labels"][image_token] == IGNORE_INDEX).all()
+
+    loss = model(**batch).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    model.zero_grad(set_to_none=True)
+
+
+# Templates written in the manner of the real presets' (not copied): llava-1.5 renders images first,
+# ends each turn with a space and puts no eos after the assistant; Qwen2-VL adds a default system turn.
+LLAVA_15_STYLE = (
+    "{% for m in messages %}{{ m['role'].upper() + ': ' }}"
+    "{% for c in m['content'] if c['type'] == 'image' %}{{ '<image>\\n' }}{% endfor %}"
+    "{% for c in m['content'] if c['type'] == 'text' %}{{ c['text'] + ' ' }}{% endfor %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+QWEN2_VL_STYLE = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nBe helpful.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_collator_follows_other_templates_and_adds_a_missing_eos(tmp_path, model_and_processor):
+    _, processor = model_and_processor
+    processor = copy.copy(processor)
+    llava = processor.image_token == "<image>"
+    processor.chat_template = LLAVA_15_STYLE if llava else QWEN2_VL_STYLE
+    write_image(tmp_path / "a.png")
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps([record(), MULTI_TURN]))
+    dataset = ConversationDataset(load_records(path, tmp_path)[0])
+    batch = Collator(processor)([dataset[0], dataset[1]])
+    eos = processor.tokenizer.eos_token
+    assert labelled_text(processor, batch, 0) == f"bluesquare{eos}"
+    assert labelled_text(processor, batch, 1) == f"blue{eos}square{eos}"
+    # llava-1.5 style: eos appended after each answer; ChatML: its own <|im_end|> ends every turn.
+    assert processor.tokenizer.decode(batch["input_ids"][1]).count(eos) == (2 if llava else 5)
+
+
+def test_collated_shapes_batch_trains_both_archs(shapes, model_and_processor):
+    model, processor = model_and_processor
+    train_json, _, root = shapes
+    dataset = ConversationDataset(load_records(train_json, root)[0])
+    loader = torch.utils.data.DataLoader(dataset, batch_size=8, collate_fn=Collator(processor))
+    batch = next(iter(loader))
+    assert set(batch) >= {"input_ids", "attention_mask", "pixel_values", "labels"}
+    answers = [s["messages"][1]["content"][0]["text"] for s in (dataset[i] for i in range(8))]
+    eos = processor.tokenizer.eos_token
+    assert [labelled_text(processor, batch, i) for i in range(8)] == [a.replace(" ", "") + eos for a in answers]
+    loss = model(**batch).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    model.zero_grad(set_to_none=True)
+
+
+def test_prompt_collator_left_pads_up_to_the_assistant_turn(tmp_path, model_and_processor):
+    _, processor = model_and_processor
+    write_image(tmp_path / "a.png")
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps([record(), MULTI_TURN]))
+    dataset = ConversationDataset(load_records(path, tmp_path)[0])
+    batch, answers = PromptCollator(processor)([dataset[0], dataset[1]])
+    assert answers == ["blue square", "square"]
+    assert batch["attention_mask"][0, 0] == 0 and batch["attention_mask"][0, -1] == 1
+    prompt = processor.tokenizer.decode(batch["input_ids"][1], skip_special_tokens=False)
+    assert prompt.rstrip().endswith(("ASSISTANT:", "<|im_start|>assistant")) and "blue" in prompt
+
+
+def test_exact_match_accuracy_runs(shapes, model_and_processor):
+    model, processor = model_and_processor
+    _, eval_json, root = shapes
+    dataset = ConversationDataset(load_records(eval_json, root)[0])
+    model.train()
+    correct, total = exact_match_accuracy(model, processor, dataset, max_new_tokens=4, synced_gpus=False)
+    assert total == 36 and 0 <= correct <= total
+    assert model.training  # mode restored
+
+    loader = torch.utils.data.DataLoader(dataset, batch_size=12, collate_fn=PromptCollator(processor))
+    assert exact_match_accuracy(model, processor, loader, max_new_tokens=4, synced_gpus=False) == (correct, total)
+
+
+def test_normalize_answer():
+    assert normalize_answer("  Red   Circle\n") == normalize_answer("red circle") == "red circle"
+
+
+@pytest.mark.slow
+def test_tiny_llava_learns_colours_within_a_few_hundred_steps(tmp_path):
+    """End to end through labels, generate and exact match: colours come first (shapes take ~1000 steps)."""
+    torch.manual_seed(0)
+    train_json, eval_json, root = generate_shapes(tmp_path / "s", seed=0, n_train=720, n_eval=72, image_size=32)
+    train, _ = load_records(train_json, root)
+    out = build_tiny_model_dir(
+        "tiny_llava",
+        tmp_path / "m",
+        [QUESTION] + [f"{c} {s}" for c in COLOURS for s in SHAPES],
+        seed=0,
+        hidden_size=64,
+        num_layers=2,
+        vision_hidden_size=64,
+        vision_layers=2,
+        image_size=32,
+        patch_size=8,
+    )
+    model, processor = load_model_and_processor(str(out))
+    eval_set = ConversationDataset(load_records(eval_json, root)[0])
+    assert exact_match_accuracy(model, processor, eval_set, max_new_tokens=4)[0] == 0
+    loader = torch.utils.data.DataLoader(
+        ConversationDataset(train),
+        batch_size=32,
+        shuffle=True,
+        drop_last=True,
+        collate_fn=Collator(processor),
+        generator=torch.Generator().manual_seed(0),
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.train()
+    for _epoch in range(7):  # 154 steps
+        for batch in loader:
+            model(**batch).loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+    correct, total = exact_match_accuracy(model, processor, eval_set, max_new_tokens=4)
+    assert correct / total > 0.2  # right colour, shape still near chance (1/3)
