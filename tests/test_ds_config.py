@@ -280,7 +280,7 @@ def test_deepspeed_extra_is_merged_last():
 
 def test_unknown_top_level_key_in_extra_is_an_error():
     cfg = compose_plain(["+deepspeed_extra.zero_optimisation.stage=3"])
-    with pytest.raises(LauncherError, match="deepspeed_extra.zero_optimisation is not a DeepSpeed key"):
+    with pytest.raises(LauncherError, match=r"deepspeed_extra\.zero_optimisation is not a DeepSpeed key"):
         build(cfg)
 
 
@@ -298,7 +298,7 @@ def test_auto_strings_never_reach_deepspeed():
 
 def test_fractional_bucket_size_is_an_error():
     cfg = compose_plain(["deepspeed=z2", "+deepspeed_extra.zero_optimization.reduce_bucket_size=1000.5"])
-    with pytest.raises(LauncherError, match="reduce_bucket_size=1000.5 must be a whole number"):
+    with pytest.raises(LauncherError, match=r"reduce_bucket_size=1000\.5 must be a whole number"):
         build(cfg)
 
 
@@ -438,7 +438,7 @@ def test_an_unknown_key_in_the_json_base_names_the_file():
 
 def test_an_auto_the_composition_cannot_fill_is_an_error():
     base = {"zero_optimization": {"stage": 2, "round_robin_gradients": "auto"}}
-    with pytest.raises(LauncherError, match='cannot fill "auto" at zero_optimization.round_robin_gradients'):
+    with pytest.raises(LauncherError, match=r"cannot fill \"auto\" at zero_optimization\.round_robin_gradients"):
         build(compose_plain(), base=base, base_source="deepspeed_json=x.json")
 
 
