@@ -354,6 +354,8 @@ def _train(
 
         hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841 (kept alive on purpose)
     model, processor = load_model_and_processor(model_path)
+    # True when ZeRO-3 partitioned the weights while loading (zero.Init tags each parameter).
+    summary["partitioned_at_load"] = any(hasattr(p, "ds_id") for p in model.parameters())
     model.config.use_cache = False
     counts = apply_freeze(
         model,

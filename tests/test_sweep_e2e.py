@@ -80,3 +80,41 @@ def test_an_invalid_job_fails_and_the_sweep_goes_on(run_train, tmp_path):
     report = (sweep_dir / "compare.md").read_text()
     assert "failed" in report and "needs ZeRO stage 3" in report
     assert "1 job(s) of the sweep failed" in result.stderr
+
+
+def test_optuna_learning_rate_search_uses_the_objective(run_train, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    result = run_train(
+        "-m",
+        "experiment=lr_search",
+        "hydra.sweeper.n_trials=2",
+        "train.max_steps=5",
+        "train.micro_batch_size=8",
+        "logger=none",
+        f"hydra.sweep.dir={sweep_dir}",
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    best = (sweep_dir / "optimization_results.yaml").read_text()
+    eval_losses = [json.loads((sweep_dir / job / "summary.json").read_text())["eval_loss"] for job in ("0", "1")]
+    assert f"best_value: {min(eval_losses)}" in best
+
+
+def test_joblib_launcher_runs_jobs_in_parallel_processes(run_train, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    result = run_train(
+        "-m",
+        "deepspeed=z0,z2",
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+        "train.max_steps=5",
+        "train.micro_batch_size=8",
+        "data.eval_accuracy=false",
+        "logger=none",
+        f"hydra.sweep.dir={sweep_dir}",
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    stages = [json.loads((sweep_dir / job / "summary.json").read_text())["zero_stage"] for job in ("0", "1")]
+    assert stages == [0, 2]
+    assert (sweep_dir / "compare.md").is_file()

@@ -109,6 +109,7 @@ def test_zero_stages_give_the_same_losses(run_train, tmp_path, nproc):
         for held in stage3["params_held_per_rank"]:
             assert held == pytest.approx(total / 2, rel=0.05)
         assert summary(sweep_dir / "2")["params_held_per_rank"] == [total, total]
+        assert summary(sweep_dir / "2")["partitioned_at_load"] is False
         # One output directory per job, shared by both ranks.
         assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == ["0", "1", "2", "3"]
 
@@ -128,6 +129,7 @@ def test_zero3_two_ranks_generates_in_lock_step_and_saves_a_loadable_model(run_t
     assert result.returncode == 0, result.stderr[-3000:]
     result_summary = summary(run_dir)
     assert result_summary["eval_accuracy"] is not None and result_summary["precision"] == "bf16"
+    assert result_summary["partitioned_at_load"] is True  # zero.Init at from_pretrained, not afterwards
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(run_dir / "model")
