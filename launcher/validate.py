@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from launcher.ds_config import Device
-from launcher.errors import LauncherError
+from launcher.errors import LauncherError, one_line
 
 
 def detect_device() -> Device:
@@ -49,7 +49,7 @@ def model_hidden_size(model_cfg: DictConfig) -> int:
     try:
         config = AutoConfig.from_pretrained(model_cfg.path)
     except (OSError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = one_line(err)
         raise LauncherError(
             f"model.path={model_cfg.path}: cannot read its config ({first}); give a local directory "
             "holding config.json or a reachable hub id"
