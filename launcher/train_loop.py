@@ -279,15 +279,14 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     job = read_json(run_dir / JOB_FILE)
     summary = summary_skeleton(job)
     rank = 0
-    logger_run = None
+    state: dict[str, Any] = {"logger": None}  # what the except branch must close if _train fails
     try:
         rank, world_size, _, device = _init_distributed(cfg)
         is_main = rank == 0
         if is_main:
             _setup_rank0_log(run_dir)
             write_json_atomic(run_dir / SUMMARY_FILE, summary)
-        summary, logger_run = _train(cfg, run_dir, job, summary, rank, world_size, device, started)
-        return summary
+        return _train(cfg, run_dir, job, summary, state, rank, world_size, device, started)
     except BaseException as err:
         status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
         message = one_line(err)
@@ -296,8 +295,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         summary.update({"status": status, "error": message, "wall_s": round(time.time() - started, 3)})
         if rank == 0:
             write_json_atomic(run_dir / SUMMARY_FILE, summary)
-            if logger_run is not None:
-                logger_run.finish(summary, exit_code=1)
+            if state["logger"] is not None:
+                state["logger"].finish(summary, exit_code=1)
         if isinstance(err, LauncherError | KeyboardInterrupt):
             raise
         log.exception("training failed on rank %d", rank)
@@ -313,11 +312,12 @@ def _train(
     run_dir: Path,
     job: dict[str, Any],
     summary: dict[str, Any],
+    state: dict[str, Any],
     rank: int,
     world_size: int,
     device: torch.device,
     started: float,
-) -> tuple[dict[str, Any], Any]:
+) -> dict[str, Any]:
     import deepspeed
     from torch.utils.data import DataLoader, DistributedSampler
 
@@ -326,7 +326,6 @@ def _train(
 
     is_main = rank == 0
     ds_config = read_json(run_dir / DS_CONFIG_FILE)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     _seed_everything(cfg.train.seed)
     cache = Path(cfg.cache_dir).expanduser().absolute()
 
@@ -403,7 +402,7 @@ def _train(
         }
     )
     summary["precision"] = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
-    logger_run = _start_logger(cfg, run_dir, job, ds_config, summary) if is_main else None
+    logger_run = state["logger"] = _start_logger(cfg, run_dir, job, ds_config, summary) if is_main else None
 
     max_steps = int(cfg.train.max_steps)
     eval_every = int(cfg.train.eval_every)
@@ -492,7 +491,7 @@ def _train(
         if logger_run is not None:
             logger_run.finish(summary, exit_code=0)
         _print_final_table(summary, run_dir)
-    return summary, logger_run
+    return summary
 
 
 def _unpartitioned_grad_norm(engine: Any) -> float:
