@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.errors import LauncherError, one_line
-from launcher.rundir import JOB_FILE, write_failed_summary, write_json_atomic
+from launcher.rundir import DS_CONFIG_FILE, JOB_FILE, write_failed_summary, write_json_atomic
 
 
 def strip_local_rank_argument(argv: list[str] | None = None) -> None:
@@ -111,10 +111,10 @@ def run_job(cfg: DictConfig) -> float | None:
     started = time.time()
     try:
         ds, facts = plan_deepspeed(cfg, context["overrides"])
-        write_json_atomic(run_dir / "ds_config.json", ds)
+        write_json_atomic(run_dir / DS_CONFIG_FILE, ds)
         if cfg.dry_run:
             print(json.dumps(ds, indent=2))
-            print(f"dry run: wrote {run_dir / 'ds_config.json'}; nothing trained", file=sys.stderr)
+            print(f"dry run: wrote {run_dir / DS_CONFIG_FILE}; nothing trained", file=sys.stderr)
             return None
         job = {**context, **facts, "run_dir": str(run_dir)}
         write_json_atomic(run_dir / JOB_FILE, job)

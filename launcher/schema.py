@@ -162,6 +162,24 @@ class LoggerConfig:
 
 
 @dataclass
+class PlanConfig:
+    """Memory planner (`python -m launcher.plan`) and the preflight estimate before training starts."""
+
+    # Memory per device and per node, in GiB; null: the detected accelerator (a CPU: its RAM) and RAM.
+    gpu_memory_gb: float | None = None
+    cpu_memory_gb: float | None = None
+    # Fraction of each memory kept free (CUDA context, allocator fragmentation, NCCL buffers).
+    headroom: float = 0.1
+    # Language-model tokens per sample (text + image tokens); null: text_tokens + the model's image tokens.
+    seq_len: int | None = None
+    text_tokens: int | None = None  # null: 512 (tiny models: 32)
+    images_per_sample: int = 1
+    image_size: int | None = None  # pixels per side for dynamic-resolution models (Qwen2-VL); null: 448
+    precisions: list[str] | None = None  # null: those the device supports (bf16, fp16, fp32)
+    markdown: bool = False  # print the table as Markdown
+
+
+@dataclass
 class Config:
     """The root of the composed config."""
 
@@ -174,12 +192,15 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     # Any DeepSpeed key the groups do not model, deep-merged last; its keys are checked.
     deepspeed_extra: dict[str, Any] = field(default_factory=dict)
     # An existing DeepSpeed JSON to start from ("auto"/null values are filled by the composition).
     deepspeed_json: str | None = None
     # Compose, validate, write ds_config.json and print it; train nothing.
     dry_run: bool = False
+    # Estimate memory before training: warn (print a line when it is not expected to fit), error, off.
+    preflight: str = "warn"
     # Where built-in models and data are cached between runs.
     cache_dir: str = "${oc.env:VLM_LAUNCHER_CACHE,outputs/cache}"
     # The metric a sweep optimises (returned by the job).
