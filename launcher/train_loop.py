@@ -219,6 +219,7 @@ class _Progress:
 
     def __init__(self, enabled: bool, total: int, log_every: int) -> None:
         self.log_every = log_every
+        self.total = total
         self.bar = None
         self.enabled = enabled
         if enabled and sys.stderr.isatty():
@@ -234,7 +235,7 @@ class _Progress:
             self.bar.update(1)
             self.bar.set_postfix_str(text)
         elif step % self.log_every == 0 or step == 1:
-            log.info("step %d/%s | %s | lr %.2e", step, self.bar or "", text, metrics["train/lr"])
+            log.info("step %d/%d | %s | lr %.2e", step, self.total, text, metrics["train/lr"])
 
     def close(self) -> None:
         if self.bar is not None:
