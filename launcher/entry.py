@@ -104,6 +104,30 @@ def plan_deepspeed(cfg: DictConfig, overrides: list[str]) -> tuple[dict[str, Any
     return ds, facts
 
 
+PREFLIGHT_MODES = ("warn", "error", "off")
+
+
+def check_memory(cfg: DictConfig, ds: dict[str, Any], world_size: int) -> None:
+    """The planner's estimate for this job, before any process starts (`preflight=warn|error|off`)."""
+    if cfg.preflight not in PREFLIGHT_MODES:
+        raise LauncherError(f"preflight={cfg.preflight} is unknown: use one of {', '.join(PREFLIGHT_MODES)}")
+    if cfg.preflight == "off":
+        return
+    from launcher.plan import preflight
+
+    try:
+        problem = preflight(cfg, ds, world_size)
+    except LauncherError as err:
+        if cfg.preflight == "error":
+            raise
+        print(f"warning: memory plan skipped ({one_line(err)})", file=sys.stderr)
+        return
+    if problem and cfg.preflight == "error":
+        raise LauncherError(f"{problem} (preflight=error; preflight=warn only warns)")
+    if problem:
+        print(f"warning: {problem}", file=sys.stderr)
+
+
 def run_job(cfg: DictConfig) -> float | None:
     """Plan, then train (or only print the plan with dry_run=true). Returns the sweep objective."""
     context = _hydra_context()
@@ -111,6 +135,7 @@ def run_job(cfg: DictConfig) -> float | None:
     started = time.time()
     try:
         ds, facts = plan_deepspeed(cfg, context["overrides"])
+        check_memory(cfg, ds, facts["world_size"])
         write_json_atomic(run_dir / DS_CONFIG_FILE, ds)
         if cfg.dry_run:
             print(json.dumps(ds, indent=2))

@@ -131,7 +131,7 @@ def prepare_data(cfg: DictConfig, cache: Path) -> tuple[Path, Path | None, Path 
     return train_file, eval_file, image_root
 
 
-def _model_path(cfg: DictConfig, cache: Path, records: list[dict[str, Any]]) -> str:
+def resolve_model_path(cfg: DictConfig, cache: Path, records: list[dict[str, Any]]) -> str:
     """A hub id or directory to load; a tiny model is built (once, then cached) from the data's words."""
     from launcher.models import build_tiny_model_dir
 
@@ -342,9 +342,9 @@ def _train(
         skipped += eval_skipped
     if is_main:
         log.info("data: %d train, %d eval records (%d bad records skipped)", len(records), len(eval_records), skipped)
-        model_path = _model_path(cfg, cache, records + eval_records)
+        model_path = resolve_model_path(cfg, cache, records + eval_records)
     _barrier()
-    model_path = _model_path(cfg, cache, records + eval_records)
+    model_path = resolve_model_path(cfg, cache, records + eval_records)
 
     # At ZeRO-3 transformers must know the DeepSpeed config before the model is built, so that
     # from_pretrained partitions the weights at construction instead of materialising them per rank.

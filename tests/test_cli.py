@@ -197,3 +197,17 @@ def test_missing_data_file_is_named(run_train, tmp_path):
     )
     assert result.returncode == 2
     assert "error: data.path=/nonexistent/train.json: no such file" in result.stderr
+
+
+def test_preflight_warns_or_refuses_a_job_that_will_not_fit(run_train, tmp_path):
+    too_small = ["dry_run=true", "plan.gpu_memory_gb=0.0001", "plan.cpu_memory_gb=0.0001"]
+    warned = run_train(*too_small, f"hydra.run.dir={tmp_path / 'warn'}")
+    assert warned.returncode == 0, warned.stderr[-2000:]
+    assert "warning: memory plan: deepspeed=z0 fp32 on 1 rank needs about" in warned.stderr
+    refused = run_train(*too_small, "preflight=error", f"hydra.run.dir={tmp_path / 'error'}")
+    assert refused.returncode == 2
+    assert "error: memory plan: deepspeed=z0 fp32 on 1 rank" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert not (tmp_path / "error" / "ds_config.json").exists()
+    quiet = run_train("dry_run=true", "preflight=off", *too_small[1:], f"hydra.run.dir={tmp_path / 'off'}")
+    assert quiet.returncode == 0 and "memory plan" not in quiet.stderr
