@@ -20,6 +20,10 @@ from omegaconf import DictConfig, OmegaConf
 from launcher.errors import LauncherError, one_line
 from launcher.rundir import DS_CONFIG_FILE, JOB_FILE, write_failed_summary, write_json_atomic
 
+# Exit status of a job stopped by SIGTERM/SIGUSR1 after saving its checkpoint: 128 + SIGTERM, as a
+# process killed by SIGTERM would report, so schedulers and `&&` chains see "not finished".
+PREEMPTED_EXIT_CODE = 143
+
 
 def strip_local_rank_argument(argv: list[str] | None = None) -> None:
     """Move DeepSpeed's `--local_rank=N` (which Hydra's parser rejects) into LOCAL_RANK."""
@@ -38,6 +42,73 @@ def strip_local_rank_argument(argv: list[str] | None = None) -> None:
         else:
             kept.append(arg)
     argv[:] = kept
+
+
+def _override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def apply_resume_argument(argv: list[str] | None = None) -> None:
+    """`resume=DIR`: rerun the old run's overrides (new ones win) with hydra.run.dir=DIR.
+
+    The resumed job then runs in the old run directory for everything (Hydra's files, the DeepSpeed
+    dict, metrics, W&B), and without repeating the old command line it trains the same job.
+    A DIR without a Hydra run in it is left alone; `run_job` reports it."""
+    argv = sys.argv if argv is None else argv
+    values = [arg.split("=", 1)[1] for arg in argv[1:] if _override_key(arg) == "resume" and "=" in arg]
+    if not values or values[-1] in ("auto", "null", "") or "-m" in argv or "--multirun" in argv:
+        return
+    run_dir = Path(values[-1]).expanduser()
+    old_overrides = run_dir / ".hydra" / "overrides.yaml"
+    if not old_overrides.is_file():
+        return
+    import yaml
+
+    new = [arg for arg in argv[1:] if _override_key(arg) != "hydra.run.dir"]
+    new_keys = {_override_key(arg) for arg in new}
+    old = [arg for arg in yaml.safe_load(old_overrides.read_text()) or [] if _override_key(arg) not in new_keys]
+    argv[1:] = [*old, *new, f"hydra.run.dir='{run_dir.absolute()}'"]
+
+
+def _resume_tag(cfg: DictConfig, run_dir: Path) -> str | None:
+    """The checkpoint tag this job resumes from (None: a fresh start)."""
+    from launcher.checkpoint import CHECKPOINT_DIR, find_resume_tag
+
+    if not cfg.resume:
+        return None
+    wanted = run_dir if cfg.resume == "auto" else Path(cfg.resume).expanduser()
+    if wanted.resolve() != run_dir.resolve():
+        raise LauncherError(f"resume={cfg.resume}: {wanted} is not a run directory (no .hydra/overrides.yaml)")
+    tag = find_resume_tag(run_dir / CHECKPOINT_DIR)
+    if tag is None and cfg.resume != "auto":
+        raise LauncherError(f"resume={cfg.resume}: no complete checkpoint in {run_dir / CHECKPOINT_DIR}")
+    if tag is None:
+        print(f"resume=auto: no checkpoint in {run_dir / CHECKPOINT_DIR}, starting fresh", file=sys.stderr)
+    return tag
+
+
+def check_resumable(run_dir: Path, tag: str, ds: dict[str, Any], world_size: int, model: dict[str, Any]) -> None:
+    """Refuse, in one line, to resume a checkpoint written by a different world size, model or ZeRO stage."""
+    from launcher.checkpoint import CHECKPOINT_DIR, incompatibilities, read_marker
+
+    precision = "fp32"
+    if ds.get("bf16", {}).get("enabled"):
+        precision = "bf16"
+    elif ds.get("fp16", {}).get("enabled"):
+        precision = "fp16"
+    current = {
+        "world_size": world_size,
+        "zero_stage": ds["zero_optimization"]["stage"],
+        "precision": precision,
+        "model": model,
+    }
+    marker = read_marker(run_dir / CHECKPOINT_DIR, tag)
+    differences = incompatibilities(marker, current)
+    if differences:
+        raise LauncherError(
+            f"cannot resume {run_dir / CHECKPOINT_DIR / tag}: the job differs from the one that saved it "
+            f"({'; '.join(differences)}); resume with the same settings, or start a new run"
+        )
 
 
 def _hydra_context() -> dict[str, Any]:
@@ -136,12 +207,16 @@ def run_job(cfg: DictConfig) -> float | None:
     try:
         ds, facts = plan_deepspeed(cfg, context["overrides"])
         check_memory(cfg, ds, facts["world_size"])
+        model = OmegaConf.to_container(cfg.model, resolve=True)
+        resume_tag = None if cfg.dry_run else _resume_tag(cfg, run_dir)
+        if resume_tag is not None:
+            check_resumable(run_dir, resume_tag, ds, facts["world_size"], model)
         write_json_atomic(run_dir / DS_CONFIG_FILE, ds)
         if cfg.dry_run:
             print(json.dumps(ds, indent=2))
             print(f"dry run: wrote {run_dir / DS_CONFIG_FILE}; nothing trained", file=sys.stderr)
             return None
-        job = {**context, **facts, "run_dir": str(run_dir)}
+        job = {**context, **facts, "run_dir": str(run_dir), "model": model, "resume_tag": resume_tag}
         write_json_atomic(run_dir / JOB_FILE, job)
         from launcher.processes import launch
 
@@ -155,5 +230,10 @@ def run_job(cfg: DictConfig) -> float | None:
             # the trial as failed for optimising sweepers such as Optuna.
             return math.nan
         sys.exit(err.exit_code)
+    if summary.get("status") == "preempted":
+        print(f"preempted after step {summary['steps']}: resume with resume={run_dir}", file=sys.stderr)
+        if not context["multirun"]:
+            sys.exit(PREEMPTED_EXIT_CODE)
+        return math.nan
     objective = summary.get("objective")
     return math.nan if objective is None else float(objective)

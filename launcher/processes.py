@@ -7,6 +7,7 @@ ranks of a job share one output directory and none of them parses a Hydra comman
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +18,9 @@ from omegaconf import DictConfig
 
 from launcher.errors import LauncherError, TrainingFailed
 from launcher.rundir import SUMMARY_FILE, read_json
+
+STOP_FILE = "stop_requested"  # launcher.checkpoint.STOP_FILE, without importing torch here
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -70,6 +74,8 @@ def launch(cfg: DictConfig, run_dir: Path, *, isolate: bool = False) -> dict[str
         raise LauncherError(f"dist.launcher={cfg.dist.launcher} is unknown: use dist=local")
     nproc = int(cfg.dist.nproc_per_node)
     port = _master_port(cfg)
+    stop_file = run_dir / STOP_FILE
+    stop_file.unlink(missing_ok=True)  # left by an earlier, preempted segment of this run
     env = dict(os.environ)
     if nproc == 1 and cfg.dist.nnodes == 1:
         if not isolate:
@@ -94,11 +100,29 @@ def launch(cfg: DictConfig, run_dir: Path, *, isolate: bool = False) -> dict[str
         ]
         # torchrun would give each rank 1 thread; share the cores between the ranks instead.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    completed = subprocess.run(command, env=env, check=False)
+    completed = _run_forwarding_stop_signals(command, env, stop_file)
     summary_path = run_dir / SUMMARY_FILE
     summary = read_json(summary_path) if summary_path.is_file() else {}
-    if completed.returncode != 0 or summary.get("status") != "completed":
+    if completed.returncode != 0 or summary.get("status") not in ("completed", "preempted"):
         error = summary.get("error") or f"training exited with code {completed.returncode}"
         # A worker that stopped on a user's mistake (bad data, say) exits 2, as the launcher would.
         raise (LauncherError if completed.returncode == 2 else TrainingFailed)(error)
     return summary
+
+
+def _run_forwarding_stop_signals(
+    command: list[str], env: dict[str, str], stop_file: Path
+) -> subprocess.CompletedProcess:
+    """Run the ranks; SIGTERM/SIGUSR1 to this process become `stop_file`, which every rank checks per step.
+
+    Passing the signal on to torchrun instead would make it kill its ranks before they can save."""
+
+    def request_stop(signum: int, _frame: object) -> None:
+        stop_file.touch()
+
+    previous = {signum: signal.signal(signum, request_stop) for signum in STOP_SIGNALS}
+    try:
+        return subprocess.run(command, env=env, check=False)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

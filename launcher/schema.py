@@ -91,6 +91,7 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 250  # 0: evaluate only at the end
     save_every: int = 0  # 0: checkpoint only at the end
+    keep_checkpoints: int = 2  # the newest K complete checkpoints are kept, older ones deleted
     log_every: int = 100
 
 
@@ -197,6 +198,9 @@ class Config:
     deepspeed_extra: dict[str, Any] = field(default_factory=dict)
     # An existing DeepSpeed JSON to start from ("auto"/null values are filled by the composition).
     deepspeed_json: str | None = None
+    # Continue a run from its latest complete checkpoint, in its own run directory: a run directory,
+    # or `auto` (resume when hydra.run.dir already holds a checkpoint, e.g. a requeued SLURM job).
+    resume: str | None = None
     # Compose, validate, write ds_config.json and print it; train nothing.
     dry_run: bool = False
     # Estimate memory before training: warn (print a line when it is not expected to fit), error, off.

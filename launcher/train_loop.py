@@ -16,7 +16,6 @@ import random
 import resource
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from launcher import checkpoint
 from launcher.errors import LauncherError, TrainingFailed, one_line
 from launcher.rundir import (
     DS_CONFIG_FILE,
@@ -150,14 +150,6 @@ def resolve_model_path(cfg: DictConfig, cache: Path, records: list[dict[str, Any
     key = hashlib.sha256(json.dumps([model.arch, cfg.train.seed, dims, texts]).encode()).hexdigest()[:12]
     out = cache / "models" / f"{model.arch}-{key}"
     return str(build_tiny_model_dir(model.arch, out, texts, seed=cfg.train.seed, **dims))
-
-
-def _infinite(loader: Any, sampler: Any) -> Iterator[dict[str, Any]]:
-    epoch = 0
-    while True:
-        sampler.set_epoch(epoch)
-        yield from loader
-        epoch += 1
 
 
 def _to_device(batch: dict[str, Any], device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
@@ -370,7 +362,9 @@ def _train(
     accum = ds_config["gradient_accumulation_steps"]
     collator = Collator(processor)
     train_set = ConversationDataset(records)
-    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.train.seed)
+    sampler = checkpoint.ResumableSampler(
+        train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.train.seed
+    )
     if len(train_set) < micro * world_size:
         raise LauncherError(
             f"data.path={train_file}: {len(train_set)} records, fewer than one global micro-batch "
@@ -403,18 +397,39 @@ def _train(
         }
     )
     summary["precision"] = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+
+    # Resume: weights, optimizer, scheduler and loss scaler from DeepSpeed's files; data position and
+    # random-number state from this rank's own file. metrics.jsonl forgets the steps after the checkpoint.
+    start_step, position, resumed_rng = 0, checkpoint.DataPosition(), None
+    if job.get("resume_tag"):
+        start_step, position, resumed_rng = checkpoint.load(engine, run_dir, job["resume_tag"])
+        summary["resumed_from_step"] = start_step
+        if is_main:
+            checkpoint.truncate_metrics(run_dir, start_step)
+            log.info("resumed from %s at step %d", run_dir / checkpoint.CHECKPOINT_DIR / job["resume_tag"], start_step)
+    checkpoint_meta = {
+        "world_size": world_size,
+        "zero_stage": summary["zero_stage"],
+        "precision": summary["precision"],
+        "model": job.get("model"),
+    }
+    keep = int(cfg.train.keep_checkpoints)
+    stop = checkpoint.StopRequest(run_dir)
     logger_run = state["logger"] = _start_logger(cfg, run_dir, job, ds_config, summary) if is_main else None
 
     max_steps = int(cfg.train.max_steps)
     eval_every = int(cfg.train.eval_every)
     warmup_skip = min(5, max_steps // 5)  # steps left out of throughput: allocator and JIT warm-up
     progress = _Progress(is_main, max_steps, int(cfg.train.log_every))
-    batches = _infinite(train_loader, sampler)
+    batches = checkpoint.batches(train_loader, sampler, position, micro)
+    if resumed_rng is not None:
+        checkpoint.set_rng_state(resumed_rng)
+    stopped_at = None
     measured_time = measured_samples = measured_tokens = 0.0
     last_loss = math.nan
     eval_metrics: dict[str, float] = {}
     engine.train()
-    for step in range(1, max_steps + 1):
+    for step in range(start_step + 1, max_steps + 1):
         step_start = time.perf_counter()
         wait = 0.0
         loss_sum = tokens = 0.0
@@ -466,16 +481,24 @@ def _train(
             if logger_run is not None:
                 logger_run.log(metrics, step=step)
         progress.update(step, metrics)
+        if stop.agreed(device) and step < max_steps:
+            stopped_at = step
+            break
         if cfg.train.save_every and step % cfg.train.save_every == 0 and step < max_steps:
-            engine.save_checkpoint(str(run_dir / "checkpoints"), tag=f"step{step}")
+            checkpoint.save(engine, run_dir, step, position, checkpoint_meta, keep=keep)
     progress.close()
 
-    engine.save_checkpoint(str(run_dir / "checkpoints"), tag=f"step{max_steps}")
-    _save_model(engine, processor, run_dir / "model", is_main)
+    steps_done = stopped_at or max_steps
+    if steps_done > start_step:  # a resume of a finished run has nothing new to save
+        checkpoint.save(engine, run_dir, steps_done, position, checkpoint_meta, keep=keep)
+    if stopped_at is None:
+        _save_model(engine, processor, run_dir / "model", is_main)
+    elif is_main:
+        log.info("stopped after step %d on %s; resume with resume=%s", steps_done, stop.reason(), run_dir)
     summary.update(
         {
-            "status": "completed",
-            "steps": max_steps,
+            "status": "completed" if stopped_at is None else "preempted",
+            "steps": steps_done,
             "wall_s": round(time.time() - started, 3),
             "final_loss": last_loss,
             "eval_loss": eval_metrics.get("eval/loss"),
@@ -549,4 +572,6 @@ def _start_logger(
         job=job,
         ds_config=ds_config,
         summary=summary,
+        # A resume continues the W&B run whose id the first start stored in the run directory.
+        resume_id=wandb_logger.read_run_id(run_dir) if job.get("resume_tag") else None,
     )

@@ -1,0 +1,247 @@
+"""Checkpoints that a run can resume from, and stopping cleanly when the scheduler asks.
+
+Layout of `run_dir/checkpoints/`:
+
+    step40/                 DeepSpeed's files (model, optimizer, scheduler, loss scaler) plus
+      launcher_rank<R>.pt   per rank: data position and random-number state
+      launcher_complete.json  written last, by rank 0, after every rank saved: step, world size, ...
+    latest                  the tag to resume from; replaced atomically after the marker exists
+
+A save that dies half-way leaves a tag directory without the marker and `latest` still naming the
+previous complete checkpoint, so a resume never starts from a partial checkpoint.
+
+Stopping: SIGTERM and SIGUSR1 (what SLURM sends before preemption or at the time limit) only set a
+flag; at the next step boundary the ranks all-reduce it, so every rank stops after the same step,
+saves, and the job ends with status "preempted". The launcher process of a multi-rank job forwards
+the signal as a file (`run_dir/stop_requested`) that the ranks read at every step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DistributedSampler
+
+from launcher.rundir import METRICS_FILE, read_json, write_json_atomic
+
+log = logging.getLogger("launcher")
+
+CHECKPOINT_DIR = "checkpoints"
+LATEST_FILE = "latest"
+MARKER_FILE = "launcher_complete.json"
+STOP_FILE = "stop_requested"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Test hook: seconds to sleep after DeepSpeed wrote a checkpoint and before it is marked complete.
+SLOW_SAVE_ENV = "LAUNCHER_TEST_SLOW_SAVE"
+
+_TAG = re.compile(r"step(\d+)")
+
+
+def tag_for(step: int) -> str:
+    return f"step{step}"
+
+
+def complete_tags(checkpoints: Path) -> list[tuple[int, str]]:
+    """(step, tag) of every checkpoint whose marker exists, oldest first."""
+    found = []
+    if checkpoints.is_dir():
+        for path in checkpoints.iterdir():
+            match = _TAG.fullmatch(path.name)
+            if match and (path / MARKER_FILE).is_file():
+                found.append((int(match.group(1)), path.name))
+    return sorted(found)
+
+
+def find_resume_tag(checkpoints: Path) -> str | None:
+    """The tag `latest` names when it is complete; else the newest complete one; None if none is."""
+    latest = checkpoints / LATEST_FILE
+    if latest.is_file():
+        tag = latest.read_text().strip()
+        if (checkpoints / tag / MARKER_FILE).is_file():
+            return tag
+        log.warning("checkpoint %s named by %s is incomplete; looking for an older one", tag, latest)
+    tags = complete_tags(checkpoints)
+    return tags[-1][1] if tags else None
+
+
+def read_marker(checkpoints: Path, tag: str) -> dict[str, Any]:
+    return read_json(checkpoints / tag / MARKER_FILE)
+
+
+def incompatibilities(marker: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """What differs between the job that wrote a checkpoint and this one ("key: old -> new")."""
+    differences = []
+    for key in ("world_size", "zero_stage", "precision"):
+        if marker.get(key) != current.get(key):
+            differences.append(f"{key} {marker.get(key)} -> {current.get(key)}")
+    old_model, new_model = marker.get("model") or {}, current.get("model") or {}
+    for key in sorted(set(old_model) | set(new_model)):
+        if old_model.get(key) != new_model.get(key):
+            differences.append(f"model.{key} {old_model.get(key)} -> {new_model.get(key)}")
+    return differences
+
+
+# ----------------------------------------------------------------------------- data position
+@dataclass
+class DataPosition:
+    """Where the training data stream is: the sampler's epoch and the batches consumed in it."""
+
+    epoch: int = 0
+    batches: int = 0
+
+
+class ResumableSampler(DistributedSampler):
+    """A DistributedSampler that can start an epoch part-way: the first `start` indices are skipped.
+
+    Skipping indices, not batches, means a resume loads no image it will not train on."""
+
+    start = 0
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(super().__iter__())[self.start :])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
+
+
+def batches(loader: Any, sampler: ResumableSampler, position: DataPosition, micro: int) -> Iterator[Any]:
+    """Batches forever, epoch after epoch, from `position` on; `position` counts what was handed out."""
+    while True:
+        sampler.set_epoch(position.epoch)
+        sampler.start = position.batches * micro
+        for batch in loader:
+            position.batches += 1
+            yield batch
+        position.epoch += 1
+        position.batches = 0
+
+
+# ----------------------------------------------------------------------------- random-number state
+def rng_state() -> dict[str, Any]:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------------------- save and load
+def _barrier() -> None:
+    if torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
+
+
+def save(engine: Any, run_dir: Path, step: int, position: DataPosition, meta: dict[str, Any], *, keep: int) -> None:
+    """Save a resumable checkpoint of this step on every rank; then point `latest` at it.
+
+    Collective: every rank calls it at the same step. Keeps the newest `keep` complete checkpoints."""
+    checkpoints = run_dir / CHECKPOINT_DIR
+    tag = tag_for(step)
+    rank = torch.distributed.get_rank()
+    if rank == 0 and (checkpoints / tag).exists():  # left by a crashed save, or a resumed run re-saving
+        shutil.rmtree(checkpoints / tag)
+    _barrier()
+    engine.save_checkpoint(str(checkpoints), tag=tag, save_latest=False)
+    own = {"step": step, "epoch": position.epoch, "batches": position.batches, "rng": rng_state()}
+    torch.save(own, checkpoints / tag / f"launcher_rank{rank}.pt")
+    _barrier()  # every rank's files are on disk
+    if rank == 0:
+        delay = float(os.environ.get(SLOW_SAVE_ENV) or 0)
+        if delay:
+            time.sleep(delay)
+        write_json_atomic(checkpoints / tag / MARKER_FILE, {**meta, "step": step, "tag": tag})
+        _write_latest(checkpoints, tag)
+        _prune(checkpoints, keep)
+    _barrier()
+
+
+def _write_latest(checkpoints: Path, tag: str) -> None:
+    tmp = checkpoints / f".{LATEST_FILE}.tmp"
+    with open(tmp, "w") as handle:
+        handle.write(tag)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, checkpoints / LATEST_FILE)
+
+
+def _prune(checkpoints: Path, keep: int) -> None:
+    """Delete complete checkpoints beyond the newest `keep`, and incomplete ones older than those."""
+    kept = complete_tags(checkpoints)[-max(keep, 1) :]
+    oldest_kept = kept[0][0]
+    kept_tags = {tag for _, tag in kept}
+    for path in checkpoints.iterdir():
+        match = _TAG.fullmatch(path.name)
+        if match and path.name not in kept_tags and int(match.group(1)) < oldest_kept:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def load(engine: Any, run_dir: Path, tag: str) -> tuple[int, DataPosition, dict[str, Any]]:
+    """Restore a checkpoint into the engine; returns its step, the data position and this rank's RNG state."""
+    checkpoints = run_dir / CHECKPOINT_DIR
+    path, _ = engine.load_checkpoint(
+        str(checkpoints), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
+    if path is None:
+        raise RuntimeError(f"DeepSpeed could not load checkpoint {checkpoints / tag}")
+    own = torch.load(checkpoints / tag / f"launcher_rank{torch.distributed.get_rank()}.pt", weights_only=False)
+    return int(own["step"]), DataPosition(own["epoch"], own["batches"]), own["rng"]
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop metrics.jsonl lines of steps after `step`: a resumed run writes them again."""
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- stopping on a signal
+class StopRequest:
+    """Set by SIGTERM/SIGUSR1 (or the launcher's stop file); read at step boundaries, agreed by all ranks."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.signal_name: str | None = None
+        self.stop_file = run_dir / STOP_FILE
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    def agreed(self, device: torch.device) -> bool:
+        """True on every rank when any rank was asked to stop (one tiny all-reduce per step)."""
+        wanted = self.signal_name is not None or self.stop_file.exists()
+        flag = torch.tensor([1 if wanted else 0], dtype=torch.int32, device=device)
+        if torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def reason(self) -> str:
+        return self.signal_name or ("signal forwarded by the launcher" if self.stop_file.exists() else "unknown")
