@@ -1,0 +1,88 @@
+"""Checkpoint bookkeeping without training: which checkpoint a resume picks, pruning, data position."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from torch.utils.data import DataLoader
+
+from launcher import checkpoint
+from launcher.entry import apply_resume_argument
+
+
+def make_checkpoint(checkpoints: Path, step: int, *, complete: bool = True) -> None:
+    tag = checkpoints / f"step{step}"
+    tag.mkdir(parents=True)
+    (tag / "mp_rank_00_model_states.pt").write_text("")
+    if complete:
+        (tag / checkpoint.MARKER_FILE).write_text(json.dumps({"step": step}))
+
+
+def test_resume_picks_latest_and_never_an_incomplete_checkpoint(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    assert checkpoint.find_resume_tag(checkpoints) is None
+    make_checkpoint(checkpoints, 10)
+    make_checkpoint(checkpoints, 20, complete=False)  # a save that died half-way
+    assert checkpoint.find_resume_tag(checkpoints) == "step10"  # no `latest` yet: newest complete one
+    checkpoint._write_latest(checkpoints, "step10")
+    assert checkpoint.find_resume_tag(checkpoints) == "step10"
+    checkpoint._write_latest(checkpoints, "step20")  # cannot happen through save(), handled anyway
+    assert checkpoint.find_resume_tag(checkpoints) == "step10"
+
+
+def test_prune_keeps_the_newest_complete_checkpoints(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    for step in (5, 10, 15):
+        make_checkpoint(checkpoints, step)
+    make_checkpoint(checkpoints, 7, complete=False)
+    make_checkpoint(checkpoints, 20, complete=False)  # newer than the kept ones: a save in progress
+    checkpoint._prune(checkpoints, keep=2)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step10", "step15", "step20"]
+
+
+def test_truncate_metrics_drops_steps_after_the_checkpoint(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "train/loss": 1.0}) + "\n" for s in range(1, 8))
+    )
+    checkpoint.truncate_metrics(tmp_path, 4)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
+
+
+def test_incompatibilities_name_what_differs():
+    old = {"world_size": 2, "zero_stage": 3, "precision": "fp32", "model": {"name": "tiny_llava", "hidden_size": 64}}
+    new = {"world_size": 1, "zero_stage": 3, "precision": "fp32", "model": {"name": "tiny_llava", "hidden_size": 128}}
+    assert checkpoint.incompatibilities(old, old) == []
+    assert checkpoint.incompatibilities(old, new) == ["world_size 2 -> 1", "model.hidden_size 64 -> 128"]
+
+
+def test_resume_argument_reruns_the_old_overrides_in_the_old_directory(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "overrides.yaml").write_text("- train.max_steps=40\n- deepspeed=z3\n- resume=auto\n")
+    argv = ["train.py", f"resume={run_dir}", "train.max_steps=80", "hydra.run.dir=elsewhere"]
+    apply_resume_argument(argv)
+    assert argv == ["train.py", "deepspeed=z3", f"resume={run_dir}", "train.max_steps=80", f"hydra.run.dir='{run_dir}'"]
+    untouched = ["train.py", "resume=auto", "hydra.run.dir=x"]
+    apply_resume_argument(untouched)
+    assert untouched == ["train.py", "resume=auto", "hydra.run.dir=x"]
+
+
+def test_data_position_resumes_without_repeating_or_skipping_samples():
+    data = list(range(10))
+
+    def stream(position: checkpoint.DataPosition):
+        sampler = checkpoint.ResumableSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)
+        loader = DataLoader(data, batch_size=2, sampler=sampler, drop_last=True)
+        return checkpoint.batches(loader, sampler, position, micro=2)
+
+    whole = stream(checkpoint.DataPosition())
+    reference = [next(whole).tolist() for _ in range(12)]  # more than two epochs of 5 batches
+    first_position = checkpoint.DataPosition()
+    first = stream(first_position)
+    seen = [next(first).tolist() for _ in range(7)]
+    assert (first_position.epoch, first_position.batches) == (1, 2)
+    second = stream(checkpoint.DataPosition(first_position.epoch, first_position.batches))
+    seen += [next(second).tolist() for _ in range(5)]
+    assert seen == reference
