@@ -1,0 +1,269 @@
+"""`python train.py` against the Hugging Face Trainer on the same model, data and DeepSpeed dict.
+
+    .venv/bin/python bench/vs_hf_trainer.py --steps 150 --skip 20 --repeats 3
+    .venv/bin/python bench/vs_hf_trainer.py --steps 150 --skip 20 --repeats 3 precision=bf16
+    .venv/bin/python bench/vs_hf_trainer.py --no-deepspeed     # the Trainer's own AdamW + cosine, no DeepSpeed
+
+Both train the built-in job (tiny_llava on `shapes`; the defaults: ZeRO stage 0, fp32, micro batch 32)
+in fresh processes, interleaved A B B A ... The Trainer gets what a `train.py` run wrote: the exact
+`ds_config.json` as `TrainingArguments(deepspeed=<dict>)` (so the same DeepSpeed AdamW and
+WarmupCosineLR run; `lr_scheduler_type="cosine"` only matters with --no-deepspeed), the same cached
+model and processor, the same records, `ConversationDataset` and `Collator` as `data_collator`, one
+DataLoader worker (persistent, drop_last), and arguments that match the dict (lr, betas, eps, weight
+decay, clipping, warmup and total steps, bf16), which the Trainer checks against it.
+
+With transformers 5.24 + accelerate 1.15 the Trainer's DeepSpeed path runs on this CPU: single-rank
+RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT in the environment, DeepSpeed finds its CPU
+accelerator; fp32 with `use_cpu=False`, bf16 only with `use_cpu=True` (see `trainer_arguments`).
+
+Figures over steps skip+1..steps of each run, medians over runs:
+  period     wall from the end of step `skip` to the end of the step before the last (train.py evaluates
+             after the last step, before its metrics line), per step: everything a
+             loop does (data, forward/backward/step, its own logging). train.py: the time each
+             metrics.jsonl line appears (polled every ms; the same poller runs during the Trainer);
+             Trainer: a TrainerCallback's `on_step_end` times.
+  step time  train.py's own `perf/step_time_s`; the Trainer's `on_step_begin` -> `on_step_end` (its
+             batch is fetched before `on_step_begin`, so this one leaves data loading out).
+  peak RSS   the training process's peak resident set size (train.py's summary.json figure; the
+             Trainer's at `on_train_end`); DataLoader workers are not included on either side.
+
+`--hf-worker REF_RUN_DIR --out FILE` runs one Trainer job (what the benchmark starts in a subprocess).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
+from overhead import (
+    interleaved_order,
+    measured,
+    median_of,
+    period,
+    reference_inputs,
+    run_train_py,
+    run_worker,
+    single_rank_env,
+)
+
+
+def trainer_arguments(ds_config: dict[str, Any], cfg: Any, output_dir: Path, *, deepspeed: bool) -> Any:
+    """TrainingArguments that match the DeepSpeed dict (the Trainer refuses mismatches)."""
+    from transformers import TrainingArguments
+
+    optimizer = ds_config["optimizer"]["params"]
+    scheduler = ds_config["scheduler"]["params"]
+    bf16 = bool(ds_config.get("bf16", {}).get("enabled"))
+    return TrainingArguments(
+        output_dir=str(output_dir),
+        deepspeed=copy.deepcopy(ds_config) if deepspeed else None,
+        # Without DeepSpeed the Trainer needs use_cpu on a CPU. With it, fp32 runs with use_cpu=False
+        # (accelerate's DEEPSPEED state); bf16 is refused unless use_cpu=True ("Your setup doesn't
+        # support bf16/gpu. You need to assign use_cpu if you want to train the model on CPU."), and
+        # then accelerate's state is MULTI_CPU while the Trainer still builds a DeepSpeedEngine.
+        use_cpu=bf16 or not deepspeed,
+        per_device_train_batch_size=ds_config["train_micro_batch_size_per_gpu"],
+        gradient_accumulation_steps=ds_config["gradient_accumulation_steps"],
+        max_steps=scheduler["total_num_steps"],
+        learning_rate=optimizer["lr"],
+        adam_beta1=optimizer["betas"][0],
+        adam_beta2=optimizer["betas"][1],
+        adam_epsilon=optimizer["eps"],
+        weight_decay=optimizer["weight_decay"],
+        max_grad_norm=ds_config["gradient_clipping"],
+        warmup_steps=scheduler["warmup_num_steps"],
+        lr_scheduler_type="cosine",
+        optim="adamw_torch",
+        bf16=bf16,
+        seed=int(cfg.train.seed),
+        dataloader_num_workers=int(cfg.data.num_workers),
+        dataloader_persistent_workers=int(cfg.data.num_workers) > 0,
+        dataloader_drop_last=True,
+        dataloader_pin_memory=False,
+        remove_unused_columns=False,
+        report_to=[],
+        save_strategy="no",
+        eval_strategy="no",
+        logging_steps=10**9,
+        disable_tqdm=True,
+    )
+
+
+def hf_worker(ref_run: Path, steps: int, out: Path, *, deepspeed: bool) -> None:
+    """Train with transformers.Trainer; step times, peak RSS and what ran written to `out` as JSON."""
+    single_rank_env()
+    from transformers import Trainer, TrainerCallback
+
+    from launcher.data import Collator, ConversationDataset
+    from launcher.models import load_model_and_processor
+
+    cfg, ds_config, records, model_dir = reference_inputs(ref_run)
+    if ds_config["scheduler"]["params"]["total_num_steps"] != steps:
+        raise SystemExit(f"{ref_run} was planned for a different number of steps than --steps={steps}")
+    model, processor = load_model_and_processor(model_dir)
+    model.config.use_cache = False
+
+    class StepTimes(TrainerCallback):
+        def __init__(self) -> None:
+            self.begin: list[float] = []
+            self.end: list[float] = []
+            self.peak = 0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.begin.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.end.append(time.perf_counter())
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    times = StepTimes()
+    with tempfile.TemporaryDirectory(prefix="hf-trainer-") as output_dir:
+        trainer = Trainer(
+            model=model,
+            args=trainer_arguments(ds_config, cfg, Path(output_dir), deepspeed=deepspeed),
+            train_dataset=ConversationDataset(records),
+            data_collator=Collator(processor),
+            callbacks=[times],
+        )
+        result = trainer.train()
+    out.write_text(
+        json.dumps(
+            {
+                "step_times": [end - begin for begin, end in zip(times.begin, times.end, strict=True)],
+                "step_ends": times.end,
+                "peak_bytes": times.peak,
+                "engine": type(trainer.model_wrapped).__name__,
+                "deepspeed": trainer.is_deepspeed_enabled,
+                "distributed_type": str(trainer.accelerator.distributed_type),
+                "optimizer": type(getattr(trainer.model_wrapped, "optimizer", trainer.optimizer)).__name__,
+                "train_loss": result.training_loss,
+            }
+        )
+    )
+
+
+def steady(run: dict[str, Any], skip: int, micro: int) -> dict[str, float]:
+    per_step = period(run["step_ends"], skip)
+    return {
+        "period_s": per_step,
+        "step_s": statistics.fmean(run["step_times"][skip:]),
+        "samples_per_sec": micro / per_step,
+        "peak_mib": run["peak_bytes"] / 2**20,
+        "foreign_cpu": run.get("foreign_cpu", float("nan")),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--skip", type=int, default=20, help="warm-up steps left out of the figures")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each contender")
+    parser.add_argument("--no-deepspeed", action="store_true", help="the Trainer without DeepSpeed (fallback)")
+    parser.add_argument("--work-dir", type=Path, help="keep run directories and timings here (default: temporary)")
+    parser.add_argument("--report", type=Path, metavar="WORK_DIR", help="print the table of a kept --work-dir again")
+    parser.add_argument(
+        "--max-foreign-cpu",
+        type=float,
+        default=0.10,
+        help="as in overhead.py: wait for, and re-run when, other processes use this share of the CPU (0: off)",
+    )
+    parser.add_argument("--hf-worker", type=Path, metavar="REF_RUN_DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="extra train.py overrides for both, e.g. precision=bf16")
+    args = parser.parse_args()
+    if args.hf_worker:
+        hf_worker(args.hf_worker, args.steps, args.out, deepspeed=not args.no_deepspeed)
+        return
+    if args.skip < 1 or args.steps <= args.skip:
+        parser.error("need 1 <= --skip < --steps")
+    if args.report:
+        report(args.report, args.skip)
+        return
+
+    worker_flags = ["--no-deepspeed"] if args.no_deepspeed else []
+    with tempfile.TemporaryDirectory(prefix="bench-vs-hf-") as tmp:
+        work = args.work_dir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        counts = {"A": 0, "B": 0}
+        started = time.perf_counter()
+        for contender in interleaved_order(args.repeats):
+            index = counts[contender]
+            counts[contender] += 1
+            if contender == "A":
+                run = measured(
+                    lambda i=index: run_train_py(work / f"train_py_{i}", args.steps, args.overrides),
+                    args.max_foreign_cpu,
+                )
+                (work / f"train_py_{index}.json").write_text(json.dumps(run))
+            else:
+                out = work / f"hf_{index}.json"
+                run = measured(
+                    lambda out=out: run_worker("--hf-worker", work / "train_py_0", out, args.steps, worker_flags),
+                    args.max_foreign_cpu,
+                )
+                out.write_text(json.dumps(run))
+            print(
+                f"  {contender}{index}: done at {time.perf_counter() - started:.0f} s, "
+                f"others used {run['foreign_cpu']:.0%} of the CPU",
+                file=sys.stderr,
+            )
+        print(f"\n{time.perf_counter() - started:.0f} s in all. ", end="")
+        report(work, args.skip)
+
+
+def report(work: Path, skip: int) -> None:
+    """The table, from the timings a run of this benchmark kept in `work`."""
+    ds_config = json.loads((work / "train_py_0" / "ds_config.json").read_text())
+    micro = ds_config["train_micro_batch_size_per_gpu"]
+
+    def runs(pattern: str) -> list[dict[str, Any]]:
+        paths = sorted(work.glob(pattern), key=lambda path: int(path.stem.rsplit("_", 1)[1]))
+        return [json.loads(path.read_text()) for path in paths]
+
+    train_runs, hf_runs = runs("train_py_*.json"), runs("hf_*.json")
+    a = [steady(run, skip, micro) for run in train_runs]
+    b = [steady(run, skip, micro) for run in hf_runs]
+    hf_info = hf_runs[0]
+    label = "HF Trainer + DeepSpeed" if hf_info["deepspeed"] else "HF Trainer, no DeepSpeed (torch AdamW, use_cpu)"
+    zero = ds_config["zero_optimization"]["stage"]
+    precision = "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32"
+    steps = len(hf_info["step_ends"])
+    print(
+        f"ZeRO stage {zero}, {precision}, micro batch {micro}; {len(a)} and {len(b)} runs, steps {skip + 1}-{steps}, "
+        f"interleaved; medians over runs. The Trainer ran a {hf_info['engine']} with {hf_info['optimizer']} "
+        f"({hf_info['distributed_type']}).\n"
+    )
+    print("| contender | samples/s (period) | period ms | step time ms | peak RSS MiB |")
+    print("|---|---|---|---|---|")
+    for name, rows in (("`python train.py`", a), (label, b)):
+        print(
+            f"| {name} | {median_of(rows, 'samples_per_sec'):.0f} | {median_of(rows, 'period_s') * 1e3:.1f} | "
+            f"{median_of(rows, 'step_s') * 1e3:.1f} | {median_of(rows, 'peak_mib'):.0f} |"
+        )
+    speed = median_of(a, "samples_per_sec") / median_of(b, "samples_per_sec")
+    memory = median_of(a, "peak_mib") / median_of(b, "peak_mib")
+    print(f"| **ratio train.py / Trainer** | {speed:.3f} | | | {memory:.3f} |")
+    paired = [x["samples_per_sec"] / y["samples_per_sec"] for x, y in zip(a, b, strict=False)]
+    print(f"\npaired throughput ratios (run i of each): {', '.join(f'{r:.3f}' for r in paired)}")
+    if all("loss" in run for run in train_runs):
+        ours = statistics.fmean(train_runs[0]["loss"])
+        print(f"same job: mean training loss over the steps, train.py {ours:.5f}, Trainer {hf_info['train_loss']:.5f}")
+    for name, rows in (("train.py", a), ("Trainer", b)):
+        speeds = ", ".join(f"{row['samples_per_sec']:.0f}" for row in rows)
+        loads = ", ".join(f"{row['foreign_cpu']:.0%}" for row in rows)
+        print(f"{name}: samples/s per run {speeds}; CPU share other processes used {loads}")
+
+
+if __name__ == "__main__":
+    main()
