@@ -149,7 +149,7 @@ def flops_per_sample(size: dict[str, Any], counts: dict[str, int]) -> float:
     return float(dense + attention)
 
 
-def matmul_tflops(device: str, n: int, repeats: int = 20) -> float:
+def matmul_tflops(device: str, n: int, repeats: int = 50) -> float:
     """Measured bf16 torch.matmul rate (TFLOP/s) for n x n matrices."""
     import torch
 
@@ -167,7 +167,11 @@ def matmul_tflops(device: str, n: int, repeats: int = 20) -> float:
     for _ in range(repeats):
         a @ b
     sync()
-    return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
+    rate = 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
+    del a, b
+    if device == "cuda":
+        torch.cuda.empty_cache()  # leave the device to the presets' processes
+    return rate
 
 
 # ----------------------------------------------------------------------------- one preset (a worker)
@@ -324,6 +328,8 @@ def run_preset(preset: str, args: argparse.Namespace, out: Path, timeout: float)
     ]
     log = out.with_suffix(".log")
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    if args.device == "cpu":  # as bench/overhead.py: DeepSpeed's CPU ops in a directory of our own
+        env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / "outputs" / "bench" / "torch_extensions"))
     try:
         with open(log, "w") as handle:
             completed = subprocess.run(
@@ -398,13 +404,13 @@ def main() -> None:
     flops = flops_per_sample(size, counts)
     tokens = sequence_lengths(size)
     print(
-        f"model: LLaVA, vision {counts['vision'] / 1e6:.1f} M + projector {counts['projector'] / 1e6:.1f} M + "
-        f"language {counts['language'] / 1e6:.1f} M = {counts['total'] / 1e9:.3f} B parameters; "
-        f"sequence {tokens['text']} tokens ({tokens['image']} image), micro batch {args.micro_batch}, bf16"
+        f"model: LLaVA, vision {counts['vision']:,} + projector {counts['projector']:,} + language "
+        f"{counts['language']:,} = {counts['total']:,} parameters ({counts['total'] / 1e9:.3g} B); sequence "
+        f"{tokens['text']} tokens ({tokens['image']} image), micro batch {args.micro_batch}, bf16"
     )
     print(
-        f"model FLOPs per sample (training): {flops / 1e12:.2f} TFLOP ({flops / tokens['text'] / 1e9:.2f} GFLOP "
-        f"per token; 6 x total parameters would give {6 * counts['total'] / 1e9:.2f})"
+        f"model FLOPs per training sample: {flops:.4g} ({flops / tokens['text']:.4g} per token; 6 x all "
+        f"parameters would give {6 * counts['total']:.4g})"
     )
     if args.dry_run:
         for preset in args.presets:

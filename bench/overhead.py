@@ -18,12 +18,15 @@ Figures per run, over steps skip+1..steps:
               holds whatever a loop does outside its timed window (metrics, logging). For train.py it
               is observed from outside, by the time each metrics.jsonl line appears (polled every ms);
               the same poller runs during the hand loop, so both pay for it.
-Prints a Markdown table: medians over runs, and the ratio train.py / hand loop.
+Prints a Markdown table: medians over runs, and the ratio train.py / hand loop as the median of the
+ratios of neighbouring runs (run i of each, which share the machine's state of the moment; the ratio
+of the medians is printed too). Both train bit-identically (same loss at every step; printed).
 
 The machine may be shared. Each run starts only once other processes use under --max-foreign-cpu
 (default 10%) of the CPU over 2 s, and a run during which they used more (machine-wide CPU time from
 /proc/stat less this benchmark's own, children included) is run again, up to 3 times; the share is
-printed per run. `--work-dir` keeps every run's timings, `--report WORK_DIR` prints the table again.
+printed per run. `--work-dir` keeps every run's timings; `--report WORK_DIR...` prints the table
+again, pooling the runs of several work directories.
 
 `--hand-loop REF_RUN_DIR --out FILE` runs one hand loop (what the benchmark starts in a subprocess).
 """
@@ -328,7 +331,9 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=20, help="warm-up steps left out of the figures")
     parser.add_argument("--repeats", type=int, default=5, help="runs of each contender")
     parser.add_argument("--work-dir", type=Path, help="keep run directories and timings here (default: temporary)")
-    parser.add_argument("--report", type=Path, metavar="WORK_DIR", help="print the table of a kept --work-dir again")
+    parser.add_argument(
+        "--report", type=Path, nargs="+", metavar="WORK_DIR", help="print the table of kept --work-dirs (pooled)"
+    )
     parser.add_argument(
         "--max-foreign-cpu",
         type=float,
@@ -376,23 +381,25 @@ def main() -> None:
                 file=sys.stderr,
             )
         print(f"\n{time.perf_counter() - started:.0f} s in all", end="")
-        report(work, args.skip)
+        report([work], args.skip)
 
 
 def _index(path: Path) -> int:
     return int(path.stem.rsplit("_", 1)[1])
 
 
-def report(work: Path, skip: int) -> None:
-    """The table, from the timings a run of this benchmark kept in `work`."""
-    micro = json.loads((work / "train_py_0" / "ds_config.json").read_text())["train_micro_batch_size_per_gpu"]
-    train_runs = [json.loads(path.read_text()) for path in sorted(work.glob("train_py_*.json"), key=_index)]
-    hand_runs = [json.loads(path.read_text()) for path in sorted(work.glob("hand_*.json"), key=_index)]
+def report(works: list[Path], skip: int) -> None:
+    """The table, from the timings runs of this benchmark kept in `works` (pooled when several)."""
+    micro = json.loads((works[0] / "train_py_0" / "ds_config.json").read_text())["train_micro_batch_size_per_gpu"]
+    train_runs: list[dict[str, Any]] = []
+    hand_runs: list[dict[str, Any]] = []
+    for work in works:  # run i of each contender ran next to each other: they stay paired
+        train_runs += [json.loads(path.read_text()) for path in sorted(work.glob("train_py_*.json"), key=_index)]
+        hand_runs += [json.loads(path.read_text()) for path in sorted(work.glob("hand_*.json"), key=_index)]
     a = [steady(run, skip, micro) for run in train_runs]
     b = [steady(run, skip, micro) for run in hand_runs]
     steps = len(hand_runs[0]["step_times"])
-    measured = f"steps {skip + 1}-{steps}"
-    print(f"; {len(a)} and {len(b)} runs, {measured}, interleaved; medians over runs\n")
+    print(f"; {len(a)} and {len(b)} runs, steps {skip + 1}-{steps}, interleaved; medians over runs\n")
     print(
         "| contender | mean step ms | median step ms | fastest-tenth step ms | period ms | samples/s | peak RSS MiB |"
     )
@@ -401,11 +408,15 @@ def report(work: Path, skip: int) -> None:
     for name, rows in (("`python train.py`", a), ("hand-written DeepSpeed loop", b)):
         times = " | ".join(f"{median_of(rows, key) * 1e3:.1f}" for key in keys)
         print(f"| {name} | {times} | {median_of(rows, 'samples_per_sec'):.0f} | {median_of(rows, 'peak_mib'):.0f} |")
+    # Neighbouring runs share the machine's state of the moment (it drifts between levels several % apart),
+    # so the ratio of each pair, then their median, is steadier than the ratio of the two medians.
+    paired = {key: [x[key] / y[key] for x, y in zip(a, b, strict=False)] for key in keys}
+    ratios = " | ".join(f"{statistics.median(paired[key]):.3f}" for key in keys)
+    print(f"| **train.py / hand loop** (median of paired ratios) | {ratios} | | |")
     ratios = " | ".join(f"{median_of(a, key) / median_of(b, key):.3f}" for key in keys)
-    print(f"| **ratio train.py / hand loop** | {ratios} | | |")
+    print(f"| ratio of the medians | {ratios} | | |")
     for key in keys:
-        paired = [x[key] / y[key] for x, y in zip(a, b, strict=False)]
-        print(f"\npaired ratios of {key} (run i of each): {', '.join(f'{r:.3f}' for r in paired)}", end="")
+        print(f"\npaired ratios of {key} (run i of each): {', '.join(f'{r:.3f}' for r in paired[key])}", end="")
     print("\n\nper-run mean step ms, train.py: " + ", ".join(f"{r['step_s'] * 1e3:.0f}" for r in a))
     print("per-run mean step ms, hand loop: " + ", ".join(f"{r['step_s'] * 1e3:.0f}" for r in b))
     if all("loss" in run for run in train_runs):
@@ -413,12 +424,11 @@ def report(work: Path, skip: int) -> None:
             abs(x - y) for run in hand_runs for x, y in zip(train_runs[0]["loss"], run["loss"], strict=True)
         )
         print(f"same job: largest difference between the loss curves of train.py and the hand loop {difference:.2g}")
-    print(
-        "CPU share other processes used during each run, train.py: " + ", ".join(f"{r['foreign_cpu']:.0%}" for r in a)
-    )
-    print(
-        "CPU share other processes used during each run, hand loop: " + ", ".join(f"{r['foreign_cpu']:.0%}" for r in b)
-    )
+    for name, rows in (("train.py", a), ("hand loop", b)):
+        print(
+            f"CPU share other processes used during each run, {name}: "
+            + ", ".join(f"{row['foreign_cpu']:.0%}" for row in rows)
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """`python train.py` against the Hugging Face Trainer on the same model, data and DeepSpeed dict.
 
-    .venv/bin/python bench/vs_hf_trainer.py --steps 150 --skip 20 --repeats 3
+    .venv/bin/python bench/vs_hf_trainer.py --steps 150 --skip 20 --repeats 5
     .venv/bin/python bench/vs_hf_trainer.py --steps 150 --skip 20 --repeats 3 precision=bf16
     .venv/bin/python bench/vs_hf_trainer.py --no-deepspeed     # the Trainer's own AdamW + cosine, no DeepSpeed
 
@@ -18,14 +18,22 @@ accelerator; fp32 with `use_cpu=False`, bf16 only with `use_cpu=True` (see `trai
 
 Figures over steps skip+1..steps of each run, medians over runs:
   period     wall from the end of step `skip` to the end of the step before the last (train.py evaluates
-             after the last step, before its metrics line), per step: everything a
-             loop does (data, forward/backward/step, its own logging). train.py: the time each
+             after the last step, before its metrics line), per step: everything a loop does (data,
+             forward/backward/step, its own bookkeeping and logging). Samples/s = micro batch / period.
+             train.py: the time each
              metrics.jsonl line appears (polled every ms; the same poller runs during the Trainer);
              Trainer: a TrainerCallback's `on_step_end` times.
   step time  train.py's own `perf/step_time_s`; the Trainer's `on_step_begin` -> `on_step_end` (its
              batch is fetched before `on_step_begin`, so this one leaves data loading out).
   peak RSS   the training process's peak resident set size (train.py's summary.json figure; the
              Trainer's at `on_train_end`); DataLoader workers are not included on either side.
+
+The headline ratio is the median of the ratios of neighbouring runs (run i of each contender), which
+share the machine's state of the moment; the ratio of the two medians is printed below it. Runs wait
+for a quiet machine and are run again when other processes loaded it (as in overhead.py). The mean
+training loss of both is printed as a check that they ran the same job (with DeepSpeed they agree to
+five digits here). `--work-dir` keeps the timings; `--report WORK_DIR...` prints the table again,
+pooling several work directories.
 
 `--hf-worker REF_RUN_DIR --out FILE` runs one Trainer job (what the benchmark starts in a subprocess).
 """
@@ -68,8 +76,9 @@ def trainer_arguments(ds_config: dict[str, Any], cfg: Any, output_dir: Path, *, 
         deepspeed=copy.deepcopy(ds_config) if deepspeed else None,
         # Without DeepSpeed the Trainer needs use_cpu on a CPU. With it, fp32 runs with use_cpu=False
         # (accelerate's DEEPSPEED state); bf16 is refused unless use_cpu=True ("Your setup doesn't
-        # support bf16/gpu. You need to assign use_cpu if you want to train the model on CPU."), and
-        # then accelerate's state is MULTI_CPU while the Trainer still builds a DeepSpeedEngine.
+        # support bf16/gpu. You need to assign use_cpu if you want to train the model on CPU."); then
+        # TrainingArguments' own state says MULTI_CPU, yet the Trainer's Accelerator still runs
+        # DeepSpeed (the table prints its distributed type and the engine it built).
         use_cpu=bf16 or not deepspeed,
         per_device_train_batch_size=ds_config["train_micro_batch_size_per_gpu"],
         gradient_accumulation_steps=ds_config["gradient_accumulation_steps"],
@@ -171,7 +180,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each contender")
     parser.add_argument("--no-deepspeed", action="store_true", help="the Trainer without DeepSpeed (fallback)")
     parser.add_argument("--work-dir", type=Path, help="keep run directories and timings here (default: temporary)")
-    parser.add_argument("--report", type=Path, metavar="WORK_DIR", help="print the table of a kept --work-dir again")
+    parser.add_argument(
+        "--report", type=Path, nargs="+", metavar="WORK_DIR", help="print the table of kept --work-dirs (pooled)"
+    )
     parser.add_argument(
         "--max-foreign-cpu",
         type=float,
@@ -219,17 +230,20 @@ def main() -> None:
                 file=sys.stderr,
             )
         print(f"\n{time.perf_counter() - started:.0f} s in all. ", end="")
-        report(work, args.skip)
+        report([work], args.skip)
 
 
-def report(work: Path, skip: int) -> None:
-    """The table, from the timings a run of this benchmark kept in `work`."""
-    ds_config = json.loads((work / "train_py_0" / "ds_config.json").read_text())
+def report(works: list[Path], skip: int) -> None:
+    """The table, from the timings runs of this benchmark kept in `works` (pooled when several)."""
+    ds_config = json.loads((works[0] / "train_py_0" / "ds_config.json").read_text())
     micro = ds_config["train_micro_batch_size_per_gpu"]
 
     def runs(pattern: str) -> list[dict[str, Any]]:
-        paths = sorted(work.glob(pattern), key=lambda path: int(path.stem.rsplit("_", 1)[1]))
-        return [json.loads(path.read_text()) for path in paths]
+        found = []
+        for work in works:  # run i of each contender ran next to each other: they stay paired
+            paths = sorted(work.glob(pattern), key=lambda path: int(path.stem.rsplit("_", 1)[1]))
+            found += [json.loads(path.read_text()) for path in paths]
+        return found
 
     train_runs, hf_runs = runs("train_py_*.json"), runs("hf_*.json")
     a = [steady(run, skip, micro) for run in train_runs]
@@ -251,14 +265,22 @@ def report(work: Path, skip: int) -> None:
             f"| {name} | {median_of(rows, 'samples_per_sec'):.0f} | {median_of(rows, 'period_s') * 1e3:.1f} | "
             f"{median_of(rows, 'step_s') * 1e3:.1f} | {median_of(rows, 'peak_mib'):.0f} |"
         )
-    speed = median_of(a, "samples_per_sec") / median_of(b, "samples_per_sec")
-    memory = median_of(a, "peak_mib") / median_of(b, "peak_mib")
-    print(f"| **ratio train.py / Trainer** | {speed:.3f} | | | {memory:.3f} |")
+    # As in overhead.py: neighbouring runs share the machine's state, so pair them first.
     paired = [x["samples_per_sec"] / y["samples_per_sec"] for x, y in zip(a, b, strict=False)]
+    memory = [x["peak_mib"] / y["peak_mib"] for x, y in zip(a, b, strict=False)]
+    print(
+        f"| **train.py / Trainer** (median of paired ratios) | {statistics.median(paired):.3f} | | | "
+        f"{statistics.median(memory):.3f} |"
+    )
+    speed = median_of(a, "samples_per_sec") / median_of(b, "samples_per_sec")
+    print(f"| ratio of the medians | {speed:.3f} | | | {median_of(a, 'peak_mib') / median_of(b, 'peak_mib'):.3f} |")
     print(f"\npaired throughput ratios (run i of each): {', '.join(f'{r:.3f}' for r in paired)}")
     if all("loss" in run for run in train_runs):
         ours = statistics.fmean(train_runs[0]["loss"])
-        print(f"same job: mean training loss over the steps, train.py {ours:.5f}, Trainer {hf_info['train_loss']:.5f}")
+        print(
+            f"mean training loss over the steps (equal when both ran the same job): train.py {ours:.5f}, "
+            f"Trainer {hf_info['train_loss']:.5f}"
+        )
     for name, rows in (("train.py", a), ("Trainer", b)):
         speeds = ", ".join(f"{row['samples_per_sec']:.0f}" for row in rows)
         loads = ", ".join(f"{row['foreign_cpu']:.0%}" for row in rows)
