@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
-from overhead import measured, run_train_py
+from _common import measured, run_train_py
 
 PRESETS = ["z0", "z1", "z2", "z2_offload", "z3", "z3_offload"]
 PRECISIONS = ["fp32", "bf16"]

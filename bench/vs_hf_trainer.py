@@ -40,7 +40,6 @@ pooling several work directories.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import resource
@@ -52,16 +51,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
-from overhead import (
-    interleaved_order,
-    measured,
-    median_of,
-    period,
-    reference_inputs,
-    run_train_py,
-    run_worker,
-    single_rank_env,
-)
+import _common as common
 
 
 def trainer_arguments(ds_config: dict[str, Any], cfg: Any, output_dir: Path, *, deepspeed: bool) -> Any:
@@ -109,13 +99,13 @@ def trainer_arguments(ds_config: dict[str, Any], cfg: Any, output_dir: Path, *, 
 
 def hf_worker(ref_run: Path, steps: int, out: Path, *, deepspeed: bool) -> None:
     """Train with transformers.Trainer; step times, peak RSS and what ran written to `out` as JSON."""
-    single_rank_env()
+    common.single_rank_env()
     from transformers import Trainer, TrainerCallback
 
     from launcher.data import Collator, ConversationDataset
     from launcher.models import load_model_and_processor
 
-    cfg, ds_config, records, model_dir = reference_inputs(ref_run)
+    cfg, ds_config, records, model_dir = common.reference_inputs(ref_run)
     if ds_config["scheduler"]["params"]["total_num_steps"] != steps:
         raise SystemExit(f"{ref_run} was planned for a different number of steps than --steps={steps}")
     model, processor = load_model_and_processor(model_dir)
@@ -163,7 +153,7 @@ def hf_worker(ref_run: Path, steps: int, out: Path, *, deepspeed: bool) -> None:
 
 
 def steady(run: dict[str, Any], skip: int, micro: int) -> dict[str, float]:
-    per_step = period(run["step_ends"], skip)
+    per_step = common.period(run["step_ends"], skip)
     return {
         "period_s": per_step,
         "step_s": statistics.fmean(run["step_times"][skip:]),
@@ -174,62 +164,34 @@ def steady(run: dict[str, Any], skip: int, micro: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--skip", type=int, default=20, help="warm-up steps left out of the figures")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each contender")
-    parser.add_argument("--no-deepspeed", action="store_true", help="the Trainer without DeepSpeed (fallback)")
-    parser.add_argument("--work-dir", type=Path, help="keep run directories and timings here (default: temporary)")
-    parser.add_argument(
-        "--report", type=Path, nargs="+", metavar="WORK_DIR", help="print the table of kept --work-dirs (pooled)"
+    parser = common.benchmark_parser(
+        __doc__.splitlines()[0],
+        repeats=3,
+        worker_flag="--hf-worker",
+        foreign_cpu_help="as in overhead.py: wait for, and re-run when, other processes use this share of the CPU "
+        "(0: off)",
+        options=lambda parser: parser.add_argument(
+            "--no-deepspeed", action="store_true", help="the Trainer without DeepSpeed (fallback)"
+        ),
     )
-    parser.add_argument(
-        "--max-foreign-cpu",
-        type=float,
-        default=0.10,
-        help="as in overhead.py: wait for, and re-run when, other processes use this share of the CPU (0: off)",
-    )
-    parser.add_argument("--hf-worker", type=Path, metavar="REF_RUN_DIR", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*", help="extra train.py overrides for both, e.g. precision=bf16")
-    args = parser.parse_args()
-    if args.hf_worker:
-        hf_worker(args.hf_worker, args.steps, args.out, deepspeed=not args.no_deepspeed)
+    args = common.parse_args(parser)
+    if args.worker:
+        hf_worker(args.worker, args.steps, args.out, deepspeed=not args.no_deepspeed)
         return
-    if args.skip < 1 or args.steps <= args.skip:
-        parser.error("need 1 <= --skip < --steps")
     if args.report:
         report(args.report, args.skip)
         return
 
-    worker_flags = ["--no-deepspeed"] if args.no_deepspeed else []
-    with tempfile.TemporaryDirectory(prefix="bench-vs-hf-") as tmp:
-        work = args.work_dir or Path(tmp)
-        work.mkdir(parents=True, exist_ok=True)
-        counts = {"A": 0, "B": 0}
-        started = time.perf_counter()
-        for contender in interleaved_order(args.repeats):
-            index = counts[contender]
-            counts[contender] += 1
-            if contender == "A":
-                run = measured(
-                    lambda i=index: run_train_py(work / f"train_py_{i}", args.steps, args.overrides),
-                    args.max_foreign_cpu,
-                )
-                (work / f"train_py_{index}.json").write_text(json.dumps(run))
-            else:
-                out = work / f"hf_{index}.json"
-                run = measured(
-                    lambda out=out: run_worker("--hf-worker", work / "train_py_0", out, args.steps, worker_flags),
-                    args.max_foreign_cpu,
-                )
-                out.write_text(json.dumps(run))
-            print(
-                f"  {contender}{index}: done at {time.perf_counter() - started:.0f} s, "
-                f"others used {run['foreign_cpu']:.0%} of the CPU",
-                file=sys.stderr,
-            )
-        print(f"\n{time.perf_counter() - started:.0f} s in all. ", end="")
+    with common.work_dir(args.work_dir, "bench-vs-hf-") as work:
+        seconds = common.run_interleaved(
+            work,
+            args,
+            worker_flag="--hf-worker",
+            worker_name="hf",
+            worker_extra=["--no-deepspeed"] if args.no_deepspeed else [],
+            progress=lambda run, elapsed: f"done at {elapsed:.0f} s",
+        )
+        print(f"\n{seconds:.0f} s in all. ", end="")
         report([work], args.skip)
 
 
@@ -237,15 +199,7 @@ def report(works: list[Path], skip: int) -> None:
     """The table, from the timings runs of this benchmark kept in `works` (pooled when several)."""
     ds_config = json.loads((works[0] / "train_py_0" / "ds_config.json").read_text())
     micro = ds_config["train_micro_batch_size_per_gpu"]
-
-    def runs(pattern: str) -> list[dict[str, Any]]:
-        found = []
-        for work in works:  # run i of each contender ran next to each other: they stay paired
-            paths = sorted(work.glob(pattern), key=lambda path: int(path.stem.rsplit("_", 1)[1]))
-            found += [json.loads(path.read_text()) for path in paths]
-        return found
-
-    train_runs, hf_runs = runs("train_py_*.json"), runs("hf_*.json")
+    train_runs, hf_runs = common.load_paired_runs(works, "hf")
     a = [steady(run, skip, micro) for run in train_runs]
     b = [steady(run, skip, micro) for run in hf_runs]
     hf_info = hf_runs[0]
@@ -261,19 +215,18 @@ def report(works: list[Path], skip: int) -> None:
     print("| contender | samples/s (period) | period ms | step time ms | peak RSS MiB |")
     print("|---|---|---|---|---|")
     for name, rows in (("`python train.py`", a), (label, b)):
-        print(
-            f"| {name} | {median_of(rows, 'samples_per_sec'):.0f} | {median_of(rows, 'period_s') * 1e3:.1f} | "
-            f"{median_of(rows, 'step_s') * 1e3:.1f} | {median_of(rows, 'peak_mib'):.0f} |"
-        )
-    # As in overhead.py: neighbouring runs share the machine's state, so pair them first.
-    paired = [x["samples_per_sec"] / y["samples_per_sec"] for x, y in zip(a, b, strict=False)]
-    memory = [x["peak_mib"] / y["peak_mib"] for x, y in zip(a, b, strict=False)]
+        speed, peak = common.median_of(rows, "samples_per_sec"), common.median_of(rows, "peak_mib")
+        period_ms, step_ms = (common.median_of(rows, key) * 1e3 for key in ("period_s", "step_s"))
+        print(f"| {name} | {speed:.0f} | {period_ms:.1f} | {step_ms:.1f} | {peak:.0f} |")
+    paired = common.paired_ratios(a, b, "samples_per_sec")
+    memory = common.paired_ratios(a, b, "peak_mib")
     print(
         f"| **train.py / Trainer** (median of paired ratios) | {statistics.median(paired):.3f} | | | "
         f"{statistics.median(memory):.3f} |"
     )
-    speed = median_of(a, "samples_per_sec") / median_of(b, "samples_per_sec")
-    print(f"| ratio of the medians | {speed:.3f} | | | {median_of(a, 'peak_mib') / median_of(b, 'peak_mib'):.3f} |")
+    speed = common.median_of(a, "samples_per_sec") / common.median_of(b, "samples_per_sec")
+    peak = common.median_of(a, "peak_mib") / common.median_of(b, "peak_mib")
+    print(f"| ratio of the medians | {speed:.3f} | | | {peak:.3f} |")
     print(f"\npaired throughput ratios (run i of each): {', '.join(f'{r:.3f}' for r in paired)}")
     if all("loss" in run for run in train_runs):
         ours = statistics.fmean(train_runs[0]["loss"])

@@ -1,7 +1,8 @@
 """Tests of launcher.compare on run directories built from the files a training job writes.
 
-Writing summary.json / metrics.jsonl / .hydra/*.yaml by hand is the input format itself, so these
-sweeps are what a real multirun leaves on disk, minus the checkpoints.
+summary.json starts from rundir's own skeleton (the fields every run writes); metrics.jsonl and
+.hydra/*.yaml are written by hand, as the input format itself, so these sweeps are what a real
+multirun leaves on disk, minus the checkpoints.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from launcher import compare
+from launcher.rundir import summary_skeleton
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -42,23 +44,8 @@ def write_run(
         lines += [f"      {k}: {'null' if v is None else v}" for k, v in hydra_choices.items()]
         (run_dir / ".hydra" / "hydra.yaml").write_text("\n".join(lines) + "\n")
     if summary is not None:
-        full = {
-            "status": "completed",
-            "steps": None,
-            "wall_s": None,
-            "final_loss": None,
-            "eval_loss": None,
-            "eval_accuracy": None,
-            "samples_per_sec": None,
-            "tokens_per_sec": None,
-            "peak_memory_bytes": None,
-            "world_size": 1,
-            "error": None,
-            "overrides": overrides,
-            "choices": {**BASE_CHOICES, **(choices or {})},
-            "objective": None,
-            **summary,
-        }
+        job = {"world_size": 1, "overrides": overrides, "choices": {**BASE_CHOICES, **(choices or {})}}
+        full = {**summary_skeleton(job), "status": "completed", **summary}
         (run_dir / "summary.json").write_text(json.dumps(full))
     if metrics is not None or extra_metrics_text:
         text = "".join(json.dumps(m) + "\n" for m in metrics or [])
