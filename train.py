@@ -11,12 +11,13 @@ Kept thin on purpose: nothing heavy is imported before Hydra has parsed the comm
 import hydra
 from omegaconf import DictConfig
 
-from launcher.entry import apply_resume_argument, strip_local_rank_argument
+from launcher.entry import apply_resume_argument, check_output_dir_argument, strip_local_rank_argument
 from launcher.schema import register_configs
 
 register_configs()
 strip_local_rank_argument()
 apply_resume_argument()
+check_output_dir_argument()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

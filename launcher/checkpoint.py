@@ -10,7 +10,7 @@ Layout of `run_dir/checkpoints/`:
 A save that dies half-way leaves a tag directory without the marker and `latest` still naming the
 previous complete checkpoint, so a resume never starts from a partial checkpoint.
 
-Stopping: SIGTERM and SIGUSR1 (what SLURM sends before preemption or at the time limit) only set a
+Stopping: SIGTERM, SIGUSR1 and SIGUSR2 (what SLURM or submitit sends before preemption or at the time limit) only set a
 flag; at the next step boundary the ranks all-reduce it, so every rank stops after the same step,
 saves, and the job ends with status "preempted". The launcher process of a multi-rank job forwards
 the signal as a file (`run_dir/stop_requested`) that the ranks read at every step.
@@ -18,11 +18,13 @@ the signal as a file (`run_dir/stop_requested`) that the ranks read at every ste
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import random
 import re
+import resource
 import shutil
 import signal
 import time
@@ -35,6 +37,7 @@ import numpy as np
 import torch
 from torch.utils.data import DistributedSampler
 
+from launcher.errors import TrainingFailed
 from launcher.rundir import METRICS_FILE, read_json, write_json_atomic
 
 log = logging.getLogger("launcher")
@@ -43,7 +46,7 @@ CHECKPOINT_DIR = "checkpoints"
 LATEST_FILE = "latest"
 MARKER_FILE = "launcher_complete.json"
 STOP_FILE = "stop_requested"
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)  # USR2: submitit's preemption signal
 # Test hook: seconds to sleep after DeepSpeed wrote a checkpoint and before it is marked complete.
 SLOW_SAVE_ENV = "LAUNCHER_TEST_SLOW_SAVE"
 
@@ -165,18 +168,54 @@ def save(engine: Any, run_dir: Path, step: int, position: DataPosition, meta: di
     if rank == 0 and (checkpoints / tag).exists():  # left by a crashed save, or a resumed run re-saving
         shutil.rmtree(checkpoints / tag)
     _barrier()
-    engine.save_checkpoint(str(checkpoints), tag=tag, save_latest=False)
-    own = {"step": step, "epoch": position.epoch, "batches": position.batches, "rng": rng_state()}
-    torch.save(own, checkpoints / tag / f"launcher_rank{rank}.pt")
+    with write_failures_reported(checkpoints / tag):
+        engine.save_checkpoint(str(checkpoints), tag=tag, save_latest=False)
+        own = {"step": step, "epoch": position.epoch, "batches": position.batches, "rng": rng_state()}
+        torch.save(own, checkpoints / tag / f"launcher_rank{rank}.pt")
     _barrier()  # every rank's files are on disk
     if rank == 0:
         delay = float(os.environ.get(SLOW_SAVE_ENV) or 0)
         if delay:
             time.sleep(delay)
-        write_json_atomic(checkpoints / tag / MARKER_FILE, {**meta, "step": step, "tag": tag})
-        _write_latest(checkpoints, tag)
+        with write_failures_reported(checkpoints / tag):
+            write_json_atomic(checkpoints / tag / MARKER_FILE, {**meta, "step": step, "tag": tag})
+            _write_latest(checkpoints, tag)
         _prune(checkpoints, keep)
     _barrier()
+
+
+@contextlib.contextmanager
+def write_failures_reported(where: Path, what: str = "checkpoint") -> Iterator[None]:
+    """A write that fails (disk full, a file size limit, a read-only disk) becomes one line."""
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        if isinstance(err, RuntimeError) and not _is_write_failure(err):
+            raise
+        raise TrainingFailed(_write_failure_message(where, err, what)) from err
+
+
+def _is_write_failure(err: RuntimeError) -> bool:
+    """torch's file writer reports a failed write (disk full, file size limit) only as a RuntimeError."""
+    text = str(err)
+    return any(sign in text for sign in ("PytorchStreamWriter", "inline_container", "file write failed"))
+
+
+def _write_failure_message(where: Path, err: BaseException, what: str = "checkpoint") -> str:
+    """One line for a checkpoint that could not be written, with what the machine says about why."""
+    # torch's writer says only "unexpected pos ..."; the errno of the short write is lost.
+    reason = err.strerror if isinstance(err, OSError) and err.strerror else "a write stopped part-way"
+    facts = [reason]
+    with contextlib.suppress(OSError):
+        facts.append(f"{shutil.disk_usage(where.parent).free / 2**30:.1f} GiB free there")
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft != resource.RLIM_INFINITY:
+        facts.append(f"file size limit (ulimit -f) {soft / 2**20:.0f} MiB")
+    return (
+        f"cannot write {what} {where} ({'; '.join(facts)}): free disk space (or raise the file size limit), "
+        "or put hydra.run.dir on a disk with room; "
+        + ("the incomplete checkpoint is never resumed from" if what == "checkpoint" else "nothing incomplete is left")
+    )
 
 
 def _write_latest(checkpoints: Path, tag: str) -> None:
@@ -224,7 +263,7 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
 
 # ----------------------------------------------------------------------------- stopping on a signal
 class StopRequest:
-    """Set by SIGTERM/SIGUSR1 (or the launcher's stop file); read at step boundaries, agreed by all ranks."""
+    """Set by SIGTERM/SIGUSR1/SIGUSR2 (or the launcher's stop file); read at step boundaries, agreed by all ranks."""
 
     def __init__(self, run_dir: Path) -> None:
         self.signal_name: str | None = None

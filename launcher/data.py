@@ -175,6 +175,11 @@ def load_records(path: Path, image_root: Path, *, on_bad_record: str = "error") 
         text = path.read_text(encoding="utf-8")
     except OSError as error:
         raise LauncherError(f"{path}: cannot read the data file ({error.strerror or error})") from error
+    except UnicodeDecodeError as error:
+        raise LauncherError(
+            f"{path}: not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start}); "
+            "the data file must be JSON: a list of records, or one record per line"
+        ) from None
 
     records, skipped = [], 0
     for index, line, raw in _parse(path, text, skip=on_bad_record == "skip"):
@@ -203,6 +208,7 @@ def _parse(path: Path, text: str, *, skip: bool) -> Iterable[tuple[int, int | No
             raise LauncherError(f"{path}:{error.lineno}: malformed JSON ({error.msg})") from error
         yield from ((index, None, raw) for index, raw in enumerate(data))
         return
+    _refuse_wrapped_records(path, text)
     index = 0
     for line_number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -215,6 +221,22 @@ def _parse(path: Path, text: str, *, skip: bool) -> Iterable[tuple[int, int | No
             raw = None
         yield index, line_number, raw
         index += 1
+
+
+def _refuse_wrapped_records(path: Path, text: str) -> None:
+    """A file holding one JSON object that is not a record (`{"data": [...]}`) is neither format."""
+    if not text.lstrip().startswith("{"):
+        return
+    try:
+        whole = json.loads(text)
+    except json.JSONDecodeError:
+        return  # JSON lines: each line is parsed, and reported, on its own
+    if isinstance(whole, dict) and "conversations" not in whole:
+        keys = ", ".join(repr(key) for key in list(whole)[:5])
+        raise LauncherError(
+            f"{path}: the file is one JSON object (keys {keys}), not records: give a JSON list of records, "
+            "or one record per line (JSON lines)"
+        )
 
 
 def _check_record(raw: Any, where: str, image_root: Path) -> dict:
@@ -245,6 +267,8 @@ def _check_record(raw: Any, where: str, image_root: Path) -> dict:
     if placeholders > 1:
         raise LauncherError(f"{where}: '{IMAGE_PLACEHOLDER}' appears {placeholders} times; one image per record")
     image_path = (image_root / image).resolve()
+    if image_path.is_dir():
+        raise LauncherError(f"{where}: image {image_path} is a directory, not an image file")
     if not image_path.is_file():
         raise LauncherError(f"{where}: image file {image_path} does not exist")
     return {

@@ -18,7 +18,14 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.errors import LauncherError, one_line
-from launcher.rundir import DS_CONFIG_FILE, JOB_FILE, write_failed_summary, write_json_atomic
+from launcher.rundir import (
+    DS_CONFIG_FILE,
+    JOB_FILE,
+    METRICS_FILE,
+    directory_problem,
+    write_failed_summary,
+    write_json_atomic,
+)
 
 # Exit status of a job stopped by SIGTERM/SIGUSR1 after saving its checkpoint: 128 + SIGTERM, as a
 # process killed by SIGTERM would report, so schedulers and `&&` chains see "not finished".
@@ -48,6 +55,69 @@ def _override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
+def _argument(argv: list[str], key: str) -> str | None:
+    """The last value given to KEY on the command line, without quotes (None when not given)."""
+    values = [arg.split("=", 1)[1] for arg in argv[1:] if _override_key(arg) == key and "=" in arg]
+    return values[-1].strip("'\"") if values else None
+
+
+# Hydra flags that print something instead of running a job.
+_NO_JOB_FLAGS = {"--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--version", "--shell-completion"}
+
+
+def check_output_dir_argument(argv: list[str] | None = None) -> None:
+    """Refuse, in one line and before Hydra tries, a hydra.run.dir (hydra.sweep.dir) that cannot be made.
+
+    Hydra would fail creating it with a traceback and exit code 1. Only a directory given on the
+    command line is checked; an interpolation (`${now:...}`) is checked up to where it starts."""
+    argv = sys.argv if argv is None else argv
+    if any(arg.split("=", 1)[0] in _NO_JOB_FLAGS for arg in argv[1:]):
+        return  # prints a config or help; creates no directory
+    key = "hydra.sweep.dir" if "-m" in argv or "--multirun" in argv else "hydra.run.dir"
+    value = _argument(argv, key)
+    fixed = (value or "").split("${", 1)[0]
+    if fixed != value:  # an interpolation: check the folder its fixed part names, if any
+        fixed = fixed.rsplit("/", 1)[0] if "/" in fixed else ""
+    problem = directory_problem(Path(fixed)) if fixed else None
+    if problem:
+        print(f"error: {key}={value}: cannot create it ({problem}); choose a directory you can write", file=sys.stderr)
+        sys.exit(LauncherError.exit_code)
+    resume = _argument(argv, "resume")
+    if key == "hydra.run.dir" and value == fixed and value and resume in (None, "null", ""):
+        # A new job in a finished (or crashed) run's directory would append to its metrics and leave
+        # its checkpoints and model/ looking like this job's; Hydra has not touched it yet.
+        held = [name for name in (METRICS_FILE, "checkpoints") if (Path(value).expanduser() / name).exists()]
+        if held:
+            print(
+                f"error: hydra.run.dir={value} already holds a run ({', '.join(held)}): continue it with "
+                f"resume={value} (or resume=auto), or choose a new directory",
+                file=sys.stderr,
+            )
+            sys.exit(LauncherError.exit_code)
+
+
+# The Hydra files (.hydra/*.yaml) of the run that `resume=` continues, as they were before Hydra rewrote
+# them for this job: put back when the resume is refused, so that a refused `resume=DIR deepspeed=z2`
+# does not change what a later `resume=DIR` runs.
+_resumed_run_files: dict[Path, bytes] = {}
+
+
+def _remember_run_files(run_dir: Path) -> None:
+    _resumed_run_files.clear()
+    hydra_dir = run_dir / ".hydra"
+    if hydra_dir.is_dir():
+        _resumed_run_files.update({path: path.read_bytes() for path in hydra_dir.iterdir() if path.is_file()})
+
+
+def _restore_run_files() -> None:
+    hydra_dir = next(iter(_resumed_run_files)).parent
+    for path in hydra_dir.iterdir():
+        if path.is_file() and path not in _resumed_run_files:
+            path.unlink()  # written by Hydra for this job
+    for path, content in _resumed_run_files.items():
+        path.write_bytes(content)
+
+
 def apply_resume_argument(argv: list[str] | None = None) -> None:
     """`resume=DIR`: rerun the old run's overrides (new ones win) with hydra.run.dir=DIR.
 
@@ -55,13 +125,19 @@ def apply_resume_argument(argv: list[str] | None = None) -> None:
     dict, metrics, W&B), and without repeating the old command line it trains the same job.
     A DIR without a Hydra run in it is left alone; `run_job` reports it."""
     argv = sys.argv if argv is None else argv
-    values = [arg.split("=", 1)[1] for arg in argv[1:] if _override_key(arg) == "resume" and "=" in arg]
-    if not values or values[-1] in ("auto", "null", "") or "-m" in argv or "--multirun" in argv:
+    value = _argument(argv, "resume")
+    if not value or value == "null" or "-m" in argv or "--multirun" in argv:
         return
-    run_dir = Path(values[-1]).expanduser()
+    if value == "auto":
+        run_dir_value = _argument(argv, "hydra.run.dir")
+        if run_dir_value and any(Path(run_dir_value).expanduser().glob("checkpoints/*/launcher_complete.json")):
+            _remember_run_files(Path(run_dir_value).expanduser())
+        return
+    run_dir = Path(value).expanduser()
     old_overrides = run_dir / ".hydra" / "overrides.yaml"
     if not old_overrides.is_file():
         return
+    _remember_run_files(run_dir)
     import yaml
 
     new = [arg for arg in argv[1:] if _override_key(arg) != "hydra.run.dir"]
@@ -77,13 +153,23 @@ def _resume_tag(cfg: DictConfig, run_dir: Path) -> str | None:
     if not cfg.resume:
         return None
     wanted = run_dir if cfg.resume == "auto" else Path(cfg.resume).expanduser()
+    if not wanted.is_dir():
+        raise LauncherError(f"resume={cfg.resume}: no such directory; give the run directory of the run to continue")
     if wanted.resolve() != run_dir.resolve():
-        raise LauncherError(f"resume={cfg.resume}: {wanted} is not a run directory (no .hydra/overrides.yaml)")
+        raise LauncherError(
+            f"resume={cfg.resume}: {wanted} is not a run directory (no .hydra/overrides.yaml); give the run "
+            "directory of the run to continue"
+        )
     tag = find_resume_tag(run_dir / CHECKPOINT_DIR)
     if tag is None and cfg.resume != "auto":
-        raise LauncherError(f"resume={cfg.resume}: no complete checkpoint in {run_dir / CHECKPOINT_DIR}")
+        raise LauncherError(
+            f"resume={cfg.resume}: no complete checkpoint in {run_dir / CHECKPOINT_DIR} (the run saved none, "
+            "or was killed before its first save finished); start a new run instead"
+        )
     if tag is None:
         print(f"resume=auto: no checkpoint in {run_dir / CHECKPOINT_DIR}, starting fresh", file=sys.stderr)
+        if not cfg.dry_run and cfg.dist.node_rank == 0:
+            (run_dir / METRICS_FILE).unlink(missing_ok=True)  # steps of a segment killed before its first save
     return tag
 
 
@@ -175,6 +261,28 @@ def plan_deepspeed(cfg: DictConfig, overrides: list[str]) -> tuple[dict[str, Any
     return ds, facts
 
 
+def check_inputs(cfg: DictConfig, ds: dict[str, Any], facts: dict[str, Any], *, launching: bool) -> None:
+    """What the ranks would stop on, checked here so that it stops the job before any rank starts.
+
+    Data files and loader settings, the cache directory, a local model directory's weights, a tiny
+    model's records (read anyway for its vocabulary), and whether this machine has a device for every
+    rank it would start (not for a dry run, which may plan a job for a bigger machine)."""
+    from launcher.validate import (
+        check_cache_dir,
+        check_data,
+        check_local_ranks,
+        check_model_files,
+        check_tiny_model_records,
+    )
+
+    check_data(cfg.data)
+    check_cache_dir(cfg)
+    check_model_files(cfg.model)
+    check_tiny_model_records(cfg, micro_batch=ds["train_micro_batch_size_per_gpu"], world_size=facts["world_size"])
+    if launching:
+        check_local_ranks(cfg.dist, facts["device"])
+
+
 PREFLIGHT_MODES = ("warn", "error", "off")
 
 
@@ -204,11 +312,13 @@ def run_job(cfg: DictConfig) -> float | None:
     context = _hydra_context()
     run_dir: Path = context["run_dir"]
     started = time.time()
+    launched = False
     try:
         ds, facts = plan_deepspeed(cfg, context["overrides"])
+        check_inputs(cfg, ds, facts, launching=not cfg.dry_run)
         check_memory(cfg, ds, facts["world_size"])
         model = OmegaConf.to_container(cfg.model, resolve=True)
-        resume_tag = None if cfg.dry_run else _resume_tag(cfg, run_dir)
+        resume_tag = _resume_tag(cfg, run_dir)
         if resume_tag is not None:
             check_resumable(run_dir, resume_tag, ds, facts["world_size"], model)
         write_json_atomic(run_dir / DS_CONFIG_FILE, ds)
@@ -220,10 +330,15 @@ def run_job(cfg: DictConfig) -> float | None:
         write_json_atomic(run_dir / JOB_FILE, job)
         from launcher.processes import launch
 
+        launched = True
         summary = launch(cfg, run_dir, isolate=context["multirun"])
     except LauncherError as err:
         message = one_line(err)
-        write_failed_summary(run_dir, context, message, wall_s=time.time() - started)
+        if _resumed_run_files and not launched:
+            # A refused resume leaves the run it would have continued as it was.
+            _restore_run_files()
+        else:
+            write_failed_summary(run_dir, context, message, wall_s=time.time() - started)
         print(f"error: {message}", file=sys.stderr)
         if context["multirun"]:
             # The sweep records the failure and goes on (it exits non-zero at the end); NaN marks

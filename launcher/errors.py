@@ -1,5 +1,14 @@
 """The exceptions users see: problems printed as a single line, with no traceback."""
 
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
 
 class LauncherError(Exception):
     """A problem the user can fix: printed as one line (no traceback), exit code 2."""
@@ -26,3 +35,39 @@ def one_line(err: BaseException) -> str:
         last = lines[-1]
         return last.split(": ", 1)[1] if last.split(": ", 1)[0].endswith("Error") else last
     return lines[0]
+
+
+# ----------------------------------------------------------------------------- errors of the ranks
+# Every rank that fails writes `run_dir/errors/rank<R>.json` (one line for the user, exit code, time)
+# and `rank<R>.txt` (its traceback). When one rank crashes, the others fail soon after on the broken
+# connection; the earliest record is the cause, and the launcher shows that one line only.
+ERRORS_DIR = "errors"
+
+
+def record_rank_error(run_dir: Path, rank: int, message: str, exit_code: int, trace: str) -> Path:
+    """Write this rank's error record; returns the traceback file."""
+    out = run_dir / ERRORS_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    trace_file = out / f"rank{rank}.txt"
+    trace_file.write_text(trace)
+    record = {"rank": rank, "error": message, "exit_code": exit_code, "time": time.time(), "traceback": str(trace_file)}
+    tmp = out / f".rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, out / f"rank{rank}.json")
+    return trace_file
+
+
+def first_rank_error(run_dir: Path) -> dict[str, Any] | None:
+    """The earliest error any rank recorded (the cause; later ones are its consequences)."""
+    records = []
+    for path in (run_dir / ERRORS_DIR).glob("rank*.json"):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    return min(records, key=lambda record: record["time"]) if records else None
+
+
+def clear_rank_errors(run_dir: Path) -> None:
+    """Forget the records of an earlier segment of this run (before a resume starts its ranks)."""
+    shutil.rmtree(run_dir / ERRORS_DIR, ignore_errors=True)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import transformers
+from safetensors import SafetensorError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch import nn
 from transformers import (
@@ -423,7 +424,14 @@ def load_model_and_processor(path_or_hub_id: str, *, torch_dtype: torch.dtype | 
         raise LauncherError(
             f"model.path={path_or_hub_id} is a {config.model_type} model, not an image-text-to-text model"
         )
-    model = AutoModelForImageTextToText.from_pretrained(path_or_hub_id, dtype=torch_dtype)
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(path_or_hub_id, dtype=torch_dtype)
+    except (OSError, SafetensorError) as error:
+        # No weight files, a truncated or corrupt file, a download that failed.
+        raise LauncherError(
+            f"model.path={path_or_hub_id}: cannot load its weights ({_first_line(error)}); copy the complete "
+            "model directory again, or save it with save_pretrained"
+        ) from error
     processor = _load_processor(path_or_hub_id, config)
     return model, processor
 
@@ -454,7 +462,8 @@ def _load_processor(path_or_hub_id: str, config):
             or importlib.util.find_spec("torchvision") is not None
         ):
             raise LauncherError(
-                f"model.path={path_or_hub_id}: cannot load its processor ({_first_line(error)})"
+                f"model.path={path_or_hub_id}: cannot load its processor ({_first_line(error)}); the directory "
+                "needs the processor's files too (tokenizer, processor_config.json: processor.save_pretrained)"
             ) from error
         return _without_video_processor(processor_class).from_pretrained(path_or_hub_id)
 

@@ -1,7 +1,14 @@
-"""Start the ranks: in this process for one rank, through torch's own launcher (torchrun) for several.
+"""Start the ranks of a job with an existing launcher: torch's, DeepSpeed's, or SLURM's (via submitit).
+
+    dist=local      one rank in this process; N ranks on this machine through torchrun
+    dist=torchrun   one torchrun per node (nnodes, node_rank, master_addr:master_port rendezvous)
+    dist=deepspeed  DeepSpeed's launcher with a hostfile (ssh/pdsh to the other hosts)
+    dist=slurm      one SLURM task per rank (Hydra's submitit launcher, or srun): each task is a rank
 
 Every rank reads the same run directory (written by the Hydra job before this is called), so all
-ranks of a job share one output directory and none of them parses a Hydra command line.
+ranks of a job share one output directory and none of them parses a Hydra command line. A failing
+rank records its error under `run_dir/errors/`; the launcher reports the earliest record (the cause)
+as one line, instead of every rank's and the launcher's own tracebacks.
 """
 
 from __future__ import annotations
@@ -16,11 +23,12 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from launcher.errors import LauncherError, TrainingFailed
+from launcher.errors import LauncherError, TrainingFailed, clear_rank_errors, first_rank_error
 from launcher.rundir import SUMMARY_FILE, read_json
 
+LAUNCHERS = ("local", "torchrun", "deepspeed", "slurm")
 STOP_FILE = "stop_requested"  # launcher.checkpoint.STOP_FILE, without importing torch here
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -41,7 +49,13 @@ def port_is_free(host: str, port: int) -> bool:
 
 
 def _master_port(cfg: DictConfig) -> int:
+    """The rendezvous port: free on this machine for single-node jobs, the user's for multi-node ones."""
     if cfg.dist.master_port is None:
+        if cfg.dist.nnodes > 1:
+            raise LauncherError(
+                f"dist.master_port is not set: a job on {cfg.dist.nnodes} nodes needs the same port on every "
+                "node (e.g. dist.master_port=29500)"
+            )
         return free_port(cfg.dist.master_addr)
     port = int(cfg.dist.master_port)
     if cfg.dist.nnodes == 1 and not port_is_free(cfg.dist.master_addr, port):
@@ -52,17 +66,113 @@ def _master_port(cfg: DictConfig) -> int:
     return port
 
 
-def _single_rank_env(cfg: DictConfig, port: int) -> dict[str, str]:
+def _rank_env(rank: int, local_rank: int, world_size: int, local_world_size: int, addr: str, port: int) -> dict:
     return {
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_WORLD_SIZE": "1",
-        "MASTER_ADDR": str(cfg.dist.master_addr),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "MASTER_ADDR": addr,
         "MASTER_PORT": str(port),
     }
 
 
+# ----------------------------------------------------------------------------- commands per launcher
+def torchrun_command(cfg: DictConfig, run_dir: Path, port: int) -> list[str]:
+    """torch's launcher (static rendezvous at master_addr:master_port), quieted by launcher.torchrun."""
+    if not 0 <= cfg.dist.node_rank < cfg.dist.nnodes:
+        raise LauncherError(
+            f"dist.node_rank={cfg.dist.node_rank} must be between 0 and dist.nnodes-1={cfg.dist.nnodes - 1}"
+        )
+    return [
+        sys.executable,
+        "-m",
+        "launcher.torchrun",
+        f"--nnodes={cfg.dist.nnodes}",
+        f"--nproc-per-node={cfg.dist.nproc_per_node}",
+        f"--node-rank={cfg.dist.node_rank}",
+        f"--master-addr={cfg.dist.master_addr}",
+        f"--master-port={port}",
+        "-m",
+        "launcher.worker",
+        str(run_dir),
+    ]
+
+
+def hostfile_ranks(cfg: DictConfig) -> dict[str, list[int]]:
+    """The hosts and slots DeepSpeed's launcher will use: its own hostfile parser and include/exclude."""
+    from deepspeed.launcher.runner import fetch_hostfile, parse_inclusion_exclusion
+
+    path = Path(str(cfg.dist.hostfile)).expanduser()
+    if not path.is_file():
+        raise LauncherError(f"dist.hostfile={cfg.dist.hostfile}: no such file (lines of 'HOST slots=N')")
+    try:
+        pool = fetch_hostfile(str(path))
+        return parse_inclusion_exclusion(pool, cfg.dist.include, cfg.dist.exclude)
+    except (ValueError, AssertionError) as err:
+        raise LauncherError(f"dist.hostfile={cfg.dist.hostfile}: {err}") from None
+
+
+def deepspeed_command(cfg: DictConfig, run_dir: Path, port: int) -> list[str]:
+    """DeepSpeed's launcher (`deepspeed --hostfile ...`), which reaches other hosts with pdsh/ssh."""
+    if not cfg.dist.hostfile:
+        raise LauncherError("dist=deepspeed needs dist.hostfile=PATH (lines of 'HOST slots=N')")
+    hosts = hostfile_ranks(cfg)
+    world = sum(len(slots) for slots in hosts.values())
+    planned = cfg.dist.nproc_per_node * cfg.dist.nnodes
+    if world != planned:
+        raise LauncherError(
+            f"dist.hostfile={cfg.dist.hostfile} gives {world} ranks on {len(hosts)} host(s) "
+            f"({', '.join(f'{h}: {len(s)}' for h, s in hosts.items())}), but the job was planned for "
+            f"dist.nnodes={cfg.dist.nnodes} x dist.nproc_per_node={cfg.dist.nproc_per_node} = {planned}: "
+            "make them agree"
+        )
+    command = [sys.executable, "-m", "deepspeed.launcher.runner", f"--hostfile={cfg.dist.hostfile}"]
+    if cfg.dist.include:
+        command.append(f"--include={cfg.dist.include}")
+    if cfg.dist.exclude:
+        command.append(f"--exclude={cfg.dist.exclude}")
+    if len(hosts) == 1:
+        # One host: DeepSpeed starts the ranks here without ssh; its ssh check would fail needlessly.
+        command.append("--no_ssh_check")
+    command += [
+        f"--master_addr={cfg.dist.master_addr}",
+        f"--master_port={port}",
+        "--module",
+        "launcher.worker",
+        str(run_dir),
+    ]
+    return command
+
+
+def slurm_rank_env(cfg: DictConfig) -> dict[str, str]:
+    """This task's rank environment from SLURM's (or submitit's local executor's) variables.
+
+    submitit's JobEnvironment reads them (SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, SLURM_NODEID,
+    and SLURM_JOB_NODELIST, whose first host is the master); outside submitit (`srun python train.py`)
+    its SLURM reader is used directly. The port is dist.master_port, or one derived from the job id so
+    that every task of the job agrees without talking to the others."""
+    from submitit import JobEnvironment
+    from submitit.slurm.slurm import SlurmJobEnvironment
+
+    if os.environ.get("SUBMITIT_EXECUTOR"):
+        job = JobEnvironment()
+    elif "SLURM_PROCID" in os.environ and "SLURM_JOB_ID" in os.environ:
+        job = SlurmJobEnvironment()
+    else:
+        raise LauncherError(
+            "dist=slurm: no SLURM task environment (SLURM_PROCID, SLURM_JOB_ID): run with "
+            "`python train.py -m dist=slurm ...` (submitit) or under `srun`"
+        )
+    tasks_per_node = job.num_tasks // max(job.num_nodes, 1)
+    port = cfg.dist.master_port
+    if port is None:
+        digits = "".join(ch for ch in str(job.job_id) if ch.isdigit()) or "0"
+        port = 20000 + int(digits) % 20000
+    return _rank_env(job.global_rank, job.local_rank, job.num_tasks, tasks_per_node, job.hostnames[0], int(port))
+
+
+# ----------------------------------------------------------------------------- running them
 def launch(cfg: DictConfig, run_dir: Path, *, isolate: bool = False) -> dict[str, Any]:
     """Train with the job planned in `run_dir`; returns rank 0's summary.
 
@@ -70,50 +180,92 @@ def launch(cfg: DictConfig, run_dir: Path, *, isolate: bool = False) -> dict[str
     process-group state in module globals that a second job in the same process would trip over,
     and a crashing job must not take the sweep down with it.
     """
-    if cfg.dist.launcher != "local":
-        raise LauncherError(f"dist.launcher={cfg.dist.launcher} is unknown: use dist=local")
-    nproc = int(cfg.dist.nproc_per_node)
+    kind = cfg.dist.launcher
+    if kind not in LAUNCHERS:
+        raise LauncherError(f"dist.launcher={kind} is unknown: use dist=local, torchrun, deepspeed or slurm")
+    nproc, nnodes = int(cfg.dist.nproc_per_node), int(cfg.dist.nnodes)
+    if kind == "local" and nnodes > 1:
+        raise LauncherError(f"dist=local runs on this machine only (dist.nnodes={nnodes}): use dist=torchrun")
+    if kind == "slurm":
+        return _train_as_slurm_task(cfg, run_dir, nproc * nnodes)
+
     port = _master_port(cfg)
     stop_file = run_dir / STOP_FILE
-    stop_file.unlink(missing_ok=True)  # left by an earlier, preempted segment of this run
+    if cfg.dist.node_rank == 0:
+        stop_file.unlink(missing_ok=True)  # left by an earlier, preempted segment of this run
+        clear_rank_errors(run_dir)
     env = dict(os.environ)
-    if nproc == 1 and cfg.dist.nnodes == 1:
+    if kind == "local" and nproc == 1:
         if not isolate:
-            os.environ.update(_single_rank_env(cfg, port))
+            os.environ.update(_rank_env(0, 0, 1, 1, str(cfg.dist.master_addr), port))
             from launcher.train_loop import train
 
             return train(cfg, run_dir)
         command = [sys.executable, "-m", "launcher.worker", str(run_dir)]
-        env.update(_single_rank_env(cfg, port))
+        env.update(_rank_env(0, 0, 1, 1, str(cfg.dist.master_addr), port))
+    elif kind == "deepspeed":
+        command = deepspeed_command(cfg, run_dir, port)
     else:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={nproc}",
-            f"--nnodes={cfg.dist.nnodes}",
-            f"--master_addr={cfg.dist.master_addr}",
-            f"--master_port={port}",
-            "-m",
-            "launcher.worker",
-            str(run_dir),
-        ]
-        # torchrun would give each rank 1 thread; share the cores between the ranks instead.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    completed = _run_forwarding_stop_signals(command, env, stop_file)
+        command = torchrun_command(cfg, run_dir, port)
+    # A launcher would give each rank 1 thread; share this machine's cores between its ranks instead.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    try:
+        completed = _run_forwarding_stop_signals(command, env, stop_file)
+    finally:
+        _remove_shared_memory(str(cfg.dist.master_addr), port)
+    return _outcome(run_dir, completed.returncode, node_rank=int(cfg.dist.node_rank))
+
+
+def _remove_shared_memory(addr: str, port: int) -> None:
+    """Delete what DeepSpeed's CPU all-reduce left in /dev/shm for this job (66 MB per rank).
+
+    Its ranks remove these segments when they exit normally, not when they crash or are killed."""
+    for segment in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_*"):
+        segment.unlink(missing_ok=True)
+
+
+def _train_as_slurm_task(cfg: DictConfig, run_dir: Path, planned_world_size: int) -> dict[str, Any]:
+    """Under SLURM every task is already a rank: set its environment and train in this process."""
+    rank_env = slurm_rank_env(cfg)
+    if int(rank_env["WORLD_SIZE"]) != planned_world_size:
+        raise LauncherError(
+            f"dist=slurm: SLURM started {rank_env['WORLD_SIZE']} tasks, but the job was planned for "
+            f"dist.nnodes={cfg.dist.nnodes} x dist.nproc_per_node={cfg.dist.nproc_per_node} = {planned_world_size}"
+        )
+    os.environ.update(rank_env)
+    if "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        # Every task would use all of the node's cores: give each its share (SLURM's, when it says).
+        share = (os.cpu_count() or 1) // int(rank_env["LOCAL_WORLD_SIZE"])
+        torch.set_num_threads(int(os.environ.get("SLURM_CPUS_PER_TASK") or 0) or max(1, share))
+    from launcher.train_loop import train
+
+    return train(cfg, run_dir)
+
+
+def _outcome(run_dir: Path, returncode: int, node_rank: int = 0) -> dict[str, Any]:
+    """Rank 0's summary when the ranks succeeded; else the first failing rank's error, as one exception."""
     summary_path = run_dir / SUMMARY_FILE
     summary = read_json(summary_path) if summary_path.is_file() else {}
-    if completed.returncode != 0 or summary.get("status") not in ("completed", "preempted"):
-        error = summary.get("error") or f"training exited with code {completed.returncode}"
-        # A worker that stopped on a user's mistake (bad data, say) exits 2, as the launcher would.
-        raise (LauncherError if completed.returncode == 2 else TrainingFailed)(error)
-    return summary
+    if returncode == 0 and node_rank > 0:
+        # Another node's launcher: rank 0 (on node 0) writes the summary, maybe on another disk.
+        return summary or {"status": "completed"}
+    if returncode == 0 and summary.get("status") in ("completed", "preempted"):
+        return summary
+    first = first_rank_error(run_dir)
+    if first is not None:
+        if first["exit_code"] == 2:  # a user's mistake (bad data, say): the same line as with one rank
+            raise LauncherError(first["error"])
+        raise TrainingFailed(f"rank {first['rank']}: {first['error']} (traceback: {first['traceback']})")
+    error = summary.get("error") or f"training exited with code {returncode}"
+    raise (LauncherError if returncode == 2 else TrainingFailed)(error)
 
 
 def _run_forwarding_stop_signals(
     command: list[str], env: dict[str, str], stop_file: Path
 ) -> subprocess.CompletedProcess:
-    """Run the ranks; SIGTERM/SIGUSR1 to this process become `stop_file`, which every rank checks per step.
+    """Run the ranks; SIGTERM/SIGUSR1/SIGUSR2 to this process become `stop_file`, read by every rank per step.
 
     Passing the signal on to torchrun instead would make it kill its ranks before they can save."""
 

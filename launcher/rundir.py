@@ -35,6 +35,25 @@ def write_json_atomic(path: Path, obj: Any) -> None:
         raise
 
 
+def directory_problem(path: Path) -> str | None:
+    """Why `path` cannot be made (or written) as a directory; None when it can.
+
+    Probed by creating, and removing, a temporary directory in `path` or its nearest existing
+    ancestor: permission bits alone do not tell (root, read-only mounts, /proc)."""
+    path = Path(path).expanduser().absolute()
+    ancestor = path
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"{ancestor} is a file, not a directory"
+    try:
+        probe = tempfile.mkdtemp(prefix=".write-probe-", dir=ancestor)
+    except OSError as err:
+        return f"cannot create a directory in {ancestor}: {err.strerror or err}"
+    os.rmdir(probe)
+    return None
+
+
 def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
 

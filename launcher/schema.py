@@ -92,6 +92,9 @@ class TrainConfig:
     eval_every: int = 250  # 0: evaluate only at the end
     save_every: int = 0  # 0: checkpoint only at the end
     keep_checkpoints: int = 2  # the newest K complete checkpoints are kept, older ones deleted
+    # fp16 only: steps with a non-finite loss tolerated in a row (the loss scaler skips their update);
+    # fp32/bf16 apply every update, so a non-finite loss always stops the run.
+    max_nonfinite_steps: int = 0
     log_every: int = 100
 
 
@@ -140,14 +143,19 @@ class DataConfig:
 
 @dataclass
 class DistConfig:
-    """How processes start: one in-process rank, or N ranks under torch's launcher."""
+    """How ranks start (the `dist` group): local | torchrun | deepspeed | slurm; see conf/dist/*.yaml."""
 
     launcher: str = "local"
     nproc_per_node: int = 1
     nnodes: int = 1
+    node_rank: int = 0  # torchrun: this node's rank (0 .. nnodes-1)
     master_addr: str = "127.0.0.1"
-    master_port: int | None = None  # null: a free port for local runs
+    master_port: int | None = None  # null: a free port (local), derived from the job id (slurm)
+    hostfile: str | None = None  # deepspeed: "HOST slots=N" lines
+    include: str = ""  # deepspeed: --include, e.g. "node1@node2:0,1"
+    exclude: str = ""  # deepspeed: --exclude
     backend: str = "auto"  # auto: nccl on GPU, gloo on CPU
+    timeout_s: int = 1800  # a collective that waits longer fails the job (DeepSpeed's default: 30 min)
 
 
 @dataclass

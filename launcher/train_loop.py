@@ -7,6 +7,7 @@ final model and W&B records.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -14,8 +15,11 @@ import math
 import os
 import random
 import resource
+import shutil
 import sys
 import time
+import traceback
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +28,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from launcher import checkpoint
-from launcher.errors import LauncherError, TrainingFailed, one_line
+from launcher.errors import ERRORS_DIR, LauncherError, TrainingFailed, one_line, record_rank_error
 from launcher.rundir import (
     DS_CONFIG_FILE,
     JOB_FILE,
@@ -36,6 +40,9 @@ from launcher.rundir import (
 )
 
 log = logging.getLogger("launcher")
+
+# Test hook: "RANK:STEP" makes that rank raise at that step (to test how a crashed rank is reported).
+FAULT_ENV = "LAUNCHER_TEST_FAULT"
 
 # Where a sweep's objective comes from in summary.json.
 OBJECTIVES = {
@@ -68,7 +75,7 @@ def _init_distributed(cfg: DictConfig) -> tuple[int, int, int, torch.device]:
     backend = cfg.dist.backend
     if backend == "auto":
         backend = "nccl" if accelerator.device_name() == "cuda" else "gloo"
-    deepspeed.init_distributed(dist_backend=backend)
+    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=int(cfg.dist.timeout_s)))
     rank = torch.distributed.get_rank()
     world_size = torch.distributed.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -275,6 +282,11 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     state: dict[str, Any] = {"logger": None}  # what the except branch must close if _train fails
     try:
         rank, world_size, _, device = _init_distributed(cfg)
+        if world_size != job["world_size"]:
+            raise LauncherError(
+                f"{world_size} ranks started, but the job was planned for world size {job['world_size']} "
+                f"(dist.nnodes={cfg.dist.nnodes} x dist.nproc_per_node={cfg.dist.nproc_per_node}): make them agree"
+            )
         is_main = rank == 0
         if is_main:
             _setup_rank0_log(run_dir)
@@ -286,14 +298,21 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         if not isinstance(err, LauncherError):
             message = f"{type(err).__name__}: {message}"
         summary.update({"status": status, "error": message, "wall_s": round(time.time() - started, 3)})
+        exit_code = err.exit_code if isinstance(err, LauncherError) else 1
+        trace_file = run_dir / ERRORS_DIR / f"rank{rank}.txt"
+        # Best effort: on a full disk these writes fail too, and must not hide the error itself.
+        with contextlib.suppress(OSError):
+            trace_file = record_rank_error(run_dir, rank, message, exit_code, traceback.format_exc())
         if rank == 0:
-            write_json_atomic(run_dir / SUMMARY_FILE, summary)
+            with contextlib.suppress(OSError):
+                write_json_atomic(run_dir / SUMMARY_FILE, summary)
             if state["logger"] is not None:
                 state["logger"].finish(summary, exit_code=1)
         if isinstance(err, LauncherError | KeyboardInterrupt):
             raise
-        log.exception("training failed on rank %d", rank)
-        raise TrainingFailed(f"rank {rank}: {message}") from err
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            log.exception("training failed on rank %d", rank)
+        raise TrainingFailed(f"rank {rank}: {message} (traceback: {trace_file})") from err
     finally:
         # Without this, rank 0 aborts at exit ("terminate called without an active exception").
         if torch.distributed.is_initialized():
@@ -424,6 +443,8 @@ def _train(
     batches = checkpoint.batches(train_loader, sampler, position, micro)
     if resumed_rng is not None:
         checkpoint.set_rng_state(resumed_rng)
+    fault = tuple(int(part) for part in os.environ[FAULT_ENV].split(":")) if os.environ.get(FAULT_ENV) else None
+    max_nonfinite, nonfinite_in_a_row = int(cfg.train.max_nonfinite_steps), 0
     stopped_at = None
     measured_time = measured_samples = measured_tokens = 0.0
     last_loss = math.nan
@@ -445,12 +466,17 @@ def _train(
                 grad_norm = _unpartitioned_grad_norm(engine)
             engine.step()
             loss_sum += float(loss.detach())
+        if fault == (rank, step):
+            raise RuntimeError(f"fault injected by {FAULT_ENV} on rank {rank} at step {step}")
         loss_sum, tokens = _all_reduce_sum([loss_sum, tokens], device)
         step_loss = loss_sum / (accum * world_size)
-        if not math.isfinite(step_loss):
+        nonfinite_in_a_row = 0 if math.isfinite(step_loss) else nonfinite_in_a_row + 1
+        if nonfinite_action(step_loss, dtype == torch.float16, nonfinite_in_a_row, max_nonfinite) == "stop":
+            saved = checkpoint.find_resume_tag(run_dir / checkpoint.CHECKPOINT_DIR)
             raise TrainingFailed(
                 f"loss is {step_loss} at step {step}: lower train.lr, use precision=bf16 instead of fp16, "
                 "or check the data"
+                + (f"; checkpoint {saved}, saved before it, resumes with resume={run_dir}" if saved else "")
             )
         step_time = time.perf_counter() - step_start
         samples = micro * accum * world_size
@@ -518,14 +544,27 @@ def _train(
     return summary
 
 
+def nonfinite_action(loss: float, fp16: bool, in_a_row: int, allowed: int) -> str:
+    """What a step's loss means for the run: "ok", "skip" (fp16, whose loss scaler skipped the update), "stop".
+
+    fp32 and bf16 have no loss scaler: a non-finite loss means the update was applied and the weights
+    are spoiled, so the run stops at once (naming the step) and the last checkpoint stays the good one."""
+    if math.isfinite(loss):
+        return "ok"
+    return "skip" if fp16 and in_a_row <= allowed else "stop"
+
+
 def _unpartitioned_grad_norm(engine: Any) -> float:
     """Gradient norm at ZeRO stage 0 in fp32, where DeepSpeed clips but does not keep the norm.
 
-    Gradients are already all-reduced at the accumulation boundary, so the local norm is global."""
+    Gradients are already all-reduced at the accumulation boundary, so the local norm is global.
+    One fused per-tensor norm call: a Python loop over the parameters cost ~1% of a tiny model's step."""
     if engine.zero_optimization_stage() != 0 or _engine_dtype(engine) != torch.float32:
         return math.nan
-    grads = [p.grad.detach().double().norm() for p in engine.module.parameters() if p.grad is not None]
-    return float(torch.stack(grads).norm()) if grads else math.nan
+    grads = [p.grad.detach() for p in engine.module.parameters() if p.grad is not None]
+    if not grads:
+        return math.nan
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)), dtype=torch.float64))
 
 
 def _grad_norm(engine: Any, fallback: float) -> float:
@@ -553,8 +592,18 @@ def _save_model(engine: Any, processor: Any, out: Path, is_main: bool) -> None:
     if engine.zero_optimization_stage() == 3:
         state_dict = engine._zero3_consolidated_16bit_state_dict()
     if is_main:
-        engine.module.save_pretrained(out, state_dict=state_dict)
-        processor.save_pretrained(out)
+        # Written next to it and renamed: a failed export (disk full) leaves no model/ that looks complete.
+        partial = out.with_name(f".{out.name}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        try:
+            with checkpoint.write_failures_reported(out, what="the final model"):
+                engine.module.save_pretrained(partial, state_dict=state_dict)
+                processor.save_pretrained(partial)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        shutil.rmtree(out, ignore_errors=True)  # a resumed run that had finished before
+        os.replace(partial, out)
     _barrier()
 
 

@@ -1,19 +1,22 @@
-"""Entry point of each rank started by torch's launcher: `python -m launcher.worker RUN_DIR`.
+"""Entry point of each rank started by a launcher: `python -m launcher.worker RUN_DIR`.
 
 The Hydra job wrote the run directory (config, DeepSpeed dict, job facts) before starting the ranks;
 each rank reads it back, so no rank parses a Hydra command line or makes a directory of its own.
 DeepSpeed's launcher appends `--local_rank=N`; it is accepted and ignored (LOCAL_RANK is set too).
+A failing rank prints nothing: its error is recorded under RUN_DIR/errors/ (by `train`) and the
+launcher shows the first rank's, so the user does not read one traceback per rank.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from launcher.errors import LauncherError, one_line
+from launcher.errors import LauncherError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(cfg, args.run_dir)
     except LauncherError as err:
-        print(f"error: {one_line(err)}", file=sys.stderr)
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
         return err.exit_code
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from torch.utils.data import DataLoader
@@ -86,3 +87,14 @@ def test_data_position_resumes_without_repeating_or_skipping_samples():
     second = stream(checkpoint.DataPosition(first_position.epoch, first_position.batches))
     seen += [next(second).tolist() for _ in range(5)]
     assert seen == reference
+
+
+def test_a_nonfinite_loss_stops_unless_fp16_may_skip_it():
+    from launcher.train_loop import nonfinite_action
+
+    assert nonfinite_action(1.5, fp16=False, in_a_row=0, allowed=0) == "ok"
+    for loss in (math.nan, math.inf, -math.inf):
+        assert nonfinite_action(loss, fp16=False, in_a_row=1, allowed=5) == "stop"  # fp32/bf16: always
+        assert nonfinite_action(loss, fp16=True, in_a_row=1, allowed=0) == "stop"  # the default
+        assert nonfinite_action(loss, fp16=True, in_a_row=2, allowed=2) == "skip"
+        assert nonfinite_action(loss, fp16=True, in_a_row=3, allowed=2) == "stop"

@@ -1,0 +1,34 @@
+"""torch's launcher (`torchrun`), without its failure report: `python -m launcher.torchrun ARGS`.
+
+When a rank fails, torchrun stops the others (within a bounded time) and then prints a report and its
+own traceback; the ranks have already recorded their errors under `run_dir/errors/`, and the
+launcher shows the first one as one line. HYDRA_FULL_ERROR=1 keeps torchrun's output as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    verbose = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    if not verbose:
+        # "Sending process N closing signal SIGTERM", "failed (exitcode: 1) local_rank: ..."
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(sys.argv[1:] if argv is None else argv))
+    except ChildFailedError as err:
+        if verbose:
+            raise
+        codes = [failure.exitcode for failure in err.failures.values()]
+        return 2 if 2 in codes else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,398 @@
+"""Bad input beyond the config core, each case run as `python train.py` (the table in docs/errors.md).
+
+Every case must end in one line starting with "error: " that names the key or file and says what to
+do, with exit code 2 (a mistake the user can fix; 1 for a failure while training), no traceback,
+`summary.json` saying "failed" where the job has a run directory of its own, and nothing that looks
+complete: no model/, no complete checkpoint, and no ds_config.json when the job stopped before its
+plan was done. A refused resume leaves the run it would have continued exactly as it was.
+The config-core cases (rules between groups, batch arithmetic, ...) are in tests/test_cli.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+GOOD = {
+    "image": "images/ok.png",
+    "conversations": [{"from": "human", "value": "<image>\nwhat?"}, {"from": "gpt", "value": "red"}],
+}
+# Short runs: a case that gets as far as training trains two steps of four samples.
+COMMON = [
+    "logger=none",
+    "train.max_steps=2",
+    "train.micro_batch_size=4",
+    "train.eval_every=0",
+    "data.eval_accuracy=false",
+]
+TINY_SIZES = {
+    "hidden_size": 64,
+    "num_layers": 1,
+    "vision_hidden_size": 32,
+    "vision_layers": 1,
+    "image_size": 32,
+    "patch_size": 8,
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bad input: the arguments, and a part of the error line (both formatted with `Inputs`)."""
+
+    id: str
+    args: tuple[str, ...]
+    message: str
+    code: int = 2
+    planned: bool = False  # stopped after the plan was written (ds_config.json may exist)
+    run_dir: str = "new"  # new: {tmp}/run holds a failed summary; none: no run dir can exist; old: {old} unchanged
+
+
+CASES = [
+    # ------------------------------------------------------------------ data
+    Case("data-path-is-a-directory", ("data=llava_json", "data.path={data}"), "data.path={data} is a directory"),
+    Case("data-path-not-set", ("data=llava_json",), "data.path is not set for data=llava_json"),
+    Case(
+        "eval-path-missing",
+        ("data=llava_json", "data.path={data}/train.json", "data.eval_path={data}/nowhere.json"),
+        "data.eval_path={data}/nowhere.json: no such file",
+    ),
+    Case(
+        "image-root-missing",
+        ("data=llava_json", "data.path={data}/train.json", "data.image_root={data}/nowhere"),
+        "data.image_root={data}/nowhere: no such directory",
+    ),
+    Case(
+        "data-file-not-utf8",
+        ("data=llava_json", "data.path={data}/binary.json"),
+        "{data}/binary.json: not UTF-8 text",
+    ),
+    Case(
+        "data-file-is-one-json-object",
+        ("data=llava_json", "data.path={data}/object.json"),
+        "{data}/object.json: the file is one JSON object (keys 'data'), not records",
+    ),
+    Case(
+        "all-records-bad-with-skip",
+        ("data=llava_json", "data.path={data}/all_bad.json", "data.on_bad_record=skip"),
+        "{data}/all_bad.json: empty data set (all 5 records are bad and were skipped)",
+    ),
+    Case(
+        "fewer-records-than-a-micro-batch",
+        ("data=llava_json", "data.path={data}/two.json"),
+        "data.path={data}/two.json: 2 records, fewer than one global micro-batch (4 x 1 ranks)",
+    ),
+    Case(
+        "image-is-a-directory",
+        ("data=llava_json", "data.path={data}/image_dir.json"),
+        "{data}/image_dir.json record 1: image {data}/images is a directory",
+    ),
+    Case("num-workers-negative", ("data.num_workers=-1",), "data.num_workers=-1 must be 0 or more"),
+    Case(
+        "on-bad-record-unknown",
+        ("data=llava_json", "data.path={data}/train.json", "data.on_bad_record=ignore"),
+        "data.on_bad_record=ignore: choose 'error' or 'skip'",
+    ),
+    # ------------------------------------------------------------------ model
+    Case(
+        "model-dir-without-config",
+        ("model=llava_1_5_7b", "model.path={models}/empty"),
+        "model.path={models}/empty: cannot read its config",
+    ),
+    Case(
+        "model-is-text-only",
+        ("model=llava_1_5_7b", "model.path={models}/text_only"),
+        "model.path={models}/text_only is a llama model (LlamaForCausalLM), not an image-text-to-text model",
+    ),
+    Case(
+        "model-without-weights",
+        ("model=llava_1_5_7b", "model.path={models}/no_weights"),
+        "model.path={models}/no_weights has a config but no weights",
+    ),
+    Case(
+        "model-weights-corrupt",
+        ("model=llava_1_5_7b", "model.path={models}/corrupt_weights"),
+        "model.path={models}/corrupt_weights: cannot load its weights",
+        planned=True,
+    ),
+    Case(
+        "model-without-processor",
+        ("model=llava_1_5_7b", "model.path={models}/no_processor"),
+        "model.path={models}/no_processor: cannot load its processor",
+        planned=True,
+    ),
+    # ------------------------------------------------------------------ machine and directories
+    Case(
+        "more-ranks-than-devices",
+        ("dist.nproc_per_node={too_many_ranks}",),
+        "dist.nproc_per_node={too_many_ranks} is more than the",
+    ),
+    Case(
+        "master-port-busy",
+        ("dist.master_port={busy_port}",),
+        "dist.master_port={busy_port} is already in use",
+        planned=True,
+    ),
+    Case(
+        "cache-dir-under-a-file",
+        ("cache_dir={data}/a_file/cache",),
+        "cache_dir={data}/a_file/cache: cannot write there ({data}/a_file is a file, not a directory)",
+    ),
+    Case(
+        "run-dir-under-a-file",
+        ("hydra.run.dir={data}/a_file/run",),
+        "hydra.run.dir={data}/a_file/run: cannot create it ({data}/a_file is a file, not a directory)",
+        run_dir="none",
+    ),
+    Case(
+        "run-dir-in-proc",
+        ("hydra.run.dir=/proc/launcher-test/run",),
+        "hydra.run.dir=/proc/launcher-test/run: cannot create it (cannot create a directory in /proc",
+        run_dir="none",
+    ),
+    Case(
+        "sweep-dir-under-a-file",
+        ("-m", "hydra.sweep.dir={data}/a_file/sweep", "dry_run=true"),
+        "hydra.sweep.dir={data}/a_file/sweep: cannot create it",
+        run_dir="none",
+    ),
+    # ------------------------------------------------------------------ resume
+    Case("resume-missing-directory", ("resume={tmp}/nowhere",), "resume={tmp}/nowhere: no such directory"),
+    Case("resume-not-a-run", ("resume={data}",), "resume={data}: {data} is not a run directory"),
+    Case(
+        "resume-run-without-checkpoint",
+        ("resume={never_saved}",),
+        "resume={never_saved}: no complete checkpoint in {never_saved}/checkpoints",
+        run_dir="old",
+    ),
+    Case(
+        "resume-incomplete-checkpoint",
+        ("resume={incomplete}",),
+        "resume={incomplete}: no complete checkpoint in {incomplete}/checkpoints",
+        run_dir="old",
+    ),
+    Case(
+        "resume-other-world-size",
+        ("resume={old}", "dist.nproc_per_node=2"),
+        "cannot resume {old}/checkpoints/step2: the job differs from the one that saved it (world_size 1 -> 2)",
+        run_dir="old",
+    ),
+    Case(
+        "resume-other-model",
+        ("resume={old}", "model=tiny_qwen2_vl"),
+        "the job differs from the one that saved it (model.arch tiny_llava -> tiny_qwen2_vl;",
+        run_dir="old",
+    ),
+]
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """Records files, good and bad, next to their images."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("data")
+    (root / "images").mkdir()
+    Image.new("RGB", (32, 32), (200, 20, 20)).save(root / "images" / "ok.png")
+    files = {
+        "train.json": json.dumps([GOOD] * 8),
+        "two.json": json.dumps([GOOD] * 2),
+        "object.json": json.dumps({"data": [GOOD] * 8}, indent=1),  # records wrapped in an object
+        "all_bad.json": json.dumps([{**GOOD, "image": "images/nowhere.png"}] * 5),
+        "image_dir.json": json.dumps([GOOD, {**GOOD, "image": "images"}] * 4),
+        "a_file": "a regular file where a directory is expected",
+    }
+    for name, text in files.items():
+        (root / name).write_text(text)
+    (root / "binary.json").write_bytes(b"\xff\xd8\xff\xe0 a JPEG saved as .json")
+    return root
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory) -> Path:
+    """A tiny image-text-to-text model, broken copies of it, and a text-only model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from launcher.models import build_tiny_model_dir
+
+    root = tmp_path_factory.mktemp("models")
+    vocabulary = ["red circle", "what is in the image?"]
+    good = build_tiny_model_dir("tiny_llava", root / "good", vocabulary, seed=0, **TINY_SIZES)
+    (root / "empty").mkdir()
+    shutil.copytree(good, root / "no_weights")
+    (root / "no_weights" / "model.safetensors").unlink()
+    shutil.copytree(good, root / "corrupt_weights")
+    (root / "corrupt_weights" / "model.safetensors").write_bytes(b"truncated")
+    shutil.copytree(good, root / "no_processor")
+    for name in ("tokenizer.json", "tokenizer_config.json", "processor_config.json", "chat_template.jinja"):
+        (root / "no_processor" / name).unlink(missing_ok=True)
+    text_config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1
+    )
+    LlamaForCausalLM(text_config).save_pretrained(root / "text_only")
+    return root
+
+
+def _environment() -> dict[str, str]:
+    return {**os.environ, "VLM_LAUNCHER_CACHE": str(ROOT / "outputs" / "cache"), "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A completed two-step run with a checkpoint, to resume with the wrong settings."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    result = subprocess.run(
+        [sys.executable, "train.py", *COMMON, "train.save_every=0", f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        env=_environment(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "step2" / "launcher_complete.json").is_file()
+    return run_dir
+
+
+@pytest.fixture
+def busy_port():
+    """A port something listens on."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _inputs(case: Case, request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, object]:
+    """The values the case's arguments and message name; fixtures are made only when a case needs them."""
+    text = " ".join(case.args) + case.message
+    values: dict[str, object] = {"tmp": tmp_path, "too_many_ranks": _usable_cores() + 1}
+    if "{data}" in text:
+        values["data"] = request.getfixturevalue("data_dir")
+    if "{models}" in text:
+        values["models"] = request.getfixturevalue("models_dir")
+    if "{busy_port}" in text:
+        values["busy_port"] = request.getfixturevalue("busy_port")
+    if "{old}" in text or "{incomplete}" in text:
+        # A copy: a refused resume must leave the run alone, and the copy shows whether it did.
+        old = tmp_path / "old"
+        shutil.copytree(request.getfixturevalue("finished_run"), old)
+        if "{incomplete}" in text:
+            (old / "checkpoints" / "step2" / "launcher_complete.json").unlink()
+            values["incomplete"] = old
+        values["old"] = old
+    if "{never_saved}" in text:
+        # A run directory as Hydra leaves it for a job that stopped before its first checkpoint.
+        never_saved = tmp_path / "never_saved"
+        (never_saved / ".hydra").mkdir(parents=True)
+        (never_saved / ".hydra" / "overrides.yaml").write_text("- logger=none\n")
+        values["never_saved"] = values["old"] = never_saved
+    return values
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def _files(run_dir: Path) -> dict[str, bytes]:
+    """Every file of a run directory but the log Hydra appends to."""
+    return {
+        str(path.relative_to(run_dir)): path.read_bytes()
+        for path in sorted(run_dir.rglob("*"))
+        if path.is_file() and path.name != "train.log"
+    }
+
+
+def assert_one_clear_error(result: subprocess.CompletedProcess[str], message: str, code: int) -> str:
+    output = result.stdout + result.stderr
+    assert result.returncode == code, output[-3000:]
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error_lines) == 1, output[-3000:]
+    assert message in error_lines[0], error_lines[0]
+    assert "Traceback" not in output
+    # Said once: no warning that repeats it, no log line that echoes it.
+    assert sum(message in line for line in output.splitlines()) == 1, output[-3000:]
+    return error_lines[0]
+
+
+def assert_failed_and_incomplete(run_dir: Path, message: str, *, planned: bool) -> None:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and message in summary["error"]
+    assert not (run_dir / "model").exists()
+    assert not list(run_dir.glob("checkpoints/*/launcher_complete.json"))
+    assert not (run_dir / "checkpoints" / "latest").exists()
+    if not planned:
+        assert not (run_dir / "ds_config.json").exists()
+        assert not (run_dir / "job.json").exists()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_bad_input_is_one_clear_error(run_train, request, tmp_path, case):
+    values = _inputs(case, request, tmp_path)
+    args = [arg.format(**values) for arg in case.args]
+    message = case.message.format(**values)
+    run_dir = tmp_path / "run"
+    before = _files(Path(values["old"])) if case.run_dir == "old" else None
+    own_dir = [] if any(arg.startswith("hydra.run.dir=") for arg in args) else [f"hydra.run.dir={run_dir}"]
+    result = run_train(*args, *COMMON, *own_dir, timeout=600)
+    assert_one_clear_error(result, message, case.code)
+    if case.run_dir == "new":
+        assert_failed_and_incomplete(run_dir, message, planned=case.planned)
+    elif case.run_dir == "old":
+        assert _files(Path(values["old"])) == before  # Hydra's files put back, summary untouched
+        assert not run_dir.exists()
+    else:
+        assert not run_dir.exists()
+
+
+def _limit_file_size(limit: int):
+    def apply() -> None:
+        # A write past the limit then fails with EFBIG instead of killing the process (SIGXFSZ).
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+@pytest.mark.slow  # it trains: 10 s on a quiet 2-core machine, 30 s on a busy one
+def test_a_failed_checkpoint_write_is_one_line_and_leaves_nothing_that_looks_complete(isolated_env, tmp_path):
+    """A real write error while saving: files may grow to 2 MiB, the checkpoint (about 3.5 MiB) cannot.
+
+    Everything written before the save (the cached tiny model: about 1.2 MiB) stays under the limit."""
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "train.py", *COMMON, "train.save_every=0", f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        env=isolated_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=_limit_file_size(2 * 2**20),
+    )
+    message = f"cannot write checkpoint {run_dir / 'checkpoints' / 'step2'} ("
+    line = assert_one_clear_error(result, message, 1)
+    assert "file size limit (ulimit -f) 2 MiB" in line
+    assert_failed_and_incomplete(run_dir, message, planned=True)
+    assert (run_dir / "checkpoints" / "step2").is_dir()  # the partial files stay, never resumed from
+
+
+def test_a_new_job_in_a_finished_runs_directory_is_refused_and_leaves_it_as_it_was(run_train, finished_run):
+    """Without resume=, a job would append to the old run's metrics and sit next to its checkpoints."""
+    before = _files(finished_run)
+    result = run_train("logger=none", f"hydra.run.dir={finished_run}", timeout=120)
+    line = assert_one_clear_error(result, f"hydra.run.dir={finished_run} already holds a run", 2)
+    assert f"continue it with resume={finished_run}" in line
+    assert _files(finished_run) == before
