@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
+from tests.test_models import SIZES
 
 GOOD = {
     "image": "images/ok.png",
@@ -37,14 +38,6 @@ COMMON = [
     "train.eval_every=0",
     "data.eval_accuracy=false",
 ]
-TINY_SIZES = {
-    "hidden_size": 64,
-    "num_layers": 1,
-    "vision_hidden_size": 32,
-    "vision_layers": 1,
-    "image_size": 32,
-    "patch_size": 8,
-}
 
 
 @dataclass(frozen=True)
@@ -229,7 +222,7 @@ def models_dir(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("models")
     vocabulary = ["red circle", "what is in the image?"]
-    good = build_tiny_model_dir("tiny_llava", root / "good", vocabulary, seed=0, **TINY_SIZES)
+    good = build_tiny_model_dir("tiny_llava", root / "good", vocabulary, seed=0, **SIZES)
     (root / "empty").mkdir()
     shutil.copytree(good, root / "no_weights")
     (root / "no_weights" / "model.safetensors").unlink()

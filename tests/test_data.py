@@ -28,6 +28,7 @@ from launcher.data import (
 )
 from launcher.errors import LauncherError
 from launcher.models import TINY_ARCHITECTURES, build_tiny_model_dir, load_model_and_processor
+from tests.test_models import SIZES
 
 VOCABULARY = [QUESTION] + [f"{c} {s}" for c in COLOURS for s in SHAPES] + ["what colour?", "and the shape?"]
 
@@ -44,12 +45,7 @@ def model_and_processor(request, tmp_path_factory):
         tmp_path_factory.mktemp("model") / request.param,
         VOCABULARY,
         seed=0,
-        hidden_size=64,
-        num_layers=1,
-        vision_hidden_size=32,
-        vision_layers=1,
-        image_size=32,
-        patch_size=8,
+        **SIZES,
     )
     return load_model_and_processor(str(out))
 

@@ -23,27 +23,31 @@ from tests.test_train_e2e import losses, summary
 # ----------------------------------------------------------------------------- rank environments
 
 
-def _clear_scheduler_env(monkeypatch) -> None:
+def _scheduler_env(monkeypatch, variables: dict[str, str]) -> None:
+    """Exactly these SLURM_/SUBMITIT_ variables (none of the machine's own)."""
     import os
 
     for name in list(os.environ):
         if name.startswith(("SLURM_", "SUBMITIT_")):
             monkeypatch.delenv(name)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
 
 
 def test_slurm_rank_mapping_from_a_slurm_environment(monkeypatch):
     """Task 5 of 8 (2 nodes x 4): rank, local rank, world size, master = first host of the node list."""
-    _clear_scheduler_env(monkeypatch)
-    for name, value in {
-        "SLURM_JOB_ID": "4242",
-        "SLURM_PROCID": "5",
-        "SLURM_LOCALID": "1",
-        "SLURM_NTASKS": "8",
-        "SLURM_NODEID": "1",
-        "SLURM_JOB_NUM_NODES": "2",
-        "SLURM_JOB_NODELIST": "gpu[007-008]",
-    }.items():
-        monkeypatch.setenv(name, value)
+    _scheduler_env(
+        monkeypatch,
+        {
+            "SLURM_JOB_ID": "4242",
+            "SLURM_PROCID": "5",
+            "SLURM_LOCALID": "1",
+            "SLURM_NTASKS": "8",
+            "SLURM_NODEID": "1",
+            "SLURM_JOB_NUM_NODES": "2",
+            "SLURM_JOB_NODELIST": "gpu[007-008]",
+        },
+    )
     env = slurm_rank_env(compose_config(["dist=slurm"]))
     assert env == {
         "RANK": "5",
@@ -58,31 +62,33 @@ def test_slurm_rank_mapping_from_a_slurm_environment(monkeypatch):
 
 
 def test_submitit_local_rank_mapping(monkeypatch):
-    _clear_scheduler_env(monkeypatch)
-    for name, value in {
-        "SUBMITIT_EXECUTOR": "local",
-        "SUBMITIT_LOCAL_JOB_ID": "777",
-        "SUBMITIT_LOCAL_NTASKS": "2",
-        "SUBMITIT_LOCAL_JOB_NUM_NODES": "1",
-        "SUBMITIT_LOCAL_NODEID": "0",
-        "SUBMITIT_LOCAL_GLOBALID": "1",
-        "SUBMITIT_LOCAL_LOCALID": "1",
-    }.items():
-        monkeypatch.setenv(name, value)
+    _scheduler_env(
+        monkeypatch,
+        {
+            "SUBMITIT_EXECUTOR": "local",
+            "SUBMITIT_LOCAL_JOB_ID": "777",
+            "SUBMITIT_LOCAL_NTASKS": "2",
+            "SUBMITIT_LOCAL_JOB_NUM_NODES": "1",
+            "SUBMITIT_LOCAL_NODEID": "0",
+            "SUBMITIT_LOCAL_GLOBALID": "1",
+            "SUBMITIT_LOCAL_LOCALID": "1",
+        },
+    )
     env = slurm_rank_env(compose_config(["dist=slurm"]))
     assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["MASTER_PORT"]) == ("1", "1", "2", "20777")
 
 
 def test_slurm_without_a_slurm_environment_is_one_clear_error(monkeypatch):
-    _clear_scheduler_env(monkeypatch)
+    _scheduler_env(monkeypatch, {})
     with pytest.raises(LauncherError, match="no SLURM task environment"):
         slurm_rank_env(compose_config(["dist=slurm"]))
 
 
 def test_slurm_task_count_must_match_the_planned_world_size(monkeypatch, tmp_path):
-    _clear_scheduler_env(monkeypatch)
-    for name, value in {"SLURM_JOB_ID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"}.items():
-        monkeypatch.setenv(name, value)
+    _scheduler_env(
+        monkeypatch,
+        {"SLURM_JOB_ID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"},
+    )
     with pytest.raises(LauncherError, match=r"SLURM started 4 tasks, but the job was planned for .* = 2"):
         launch(compose_config(["dist=slurm", "dist.nproc_per_node=2"]), tmp_path)
 
