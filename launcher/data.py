@@ -490,3 +490,25 @@ def exact_match_accuracy(
     finally:
         model.train(was_training)
     return correct, total
+
+
+def prepare_data(data: Any, cache: Path) -> tuple[Path, Path | None, Path]:
+    """The train file, eval file and image root of the `data` config; the built-in set is generated first."""
+    if data.synthetic:
+        out = cache / "data" / f"{data.name}_seed{data.seed}_n{data.n_train}_{data.n_eval}_px{data.image_size}"
+        train_file, eval_file, image_root = generate_shapes(
+            out, seed=data.seed, n_train=data.n_train, n_eval=data.n_eval, image_size=data.image_size
+        )
+        return Path(train_file), Path(eval_file), Path(image_root)
+    if not data.path:
+        raise LauncherError(f"data.path is not set for data={data.name}: give the training JSON file")
+    train_file = Path(data.path).expanduser()
+    if not train_file.is_file():
+        raise LauncherError(f"data.path={data.path}: no such file")
+    eval_file = Path(data.eval_path).expanduser() if data.eval_path else None
+    if eval_file is not None and not eval_file.is_file():
+        raise LauncherError(f"data.eval_path={data.eval_path}: no such file")
+    image_root = Path(data.image_root).expanduser() if data.image_root else train_file.parent
+    if not image_root.is_dir():
+        raise LauncherError(f"data.image_root={image_root}: no such directory")
+    return train_file, eval_file, image_root

@@ -205,9 +205,13 @@ def _offload_block(device: str, offload: Mapping[str, Any], *, param: bool) -> d
     if device == "nvme":
         block["nvme_path"] = offload["nvme_path"]
         if param:
-            block["buffer_count"] = offload["buffer_count"]
-            block["buffer_size"] = offload["buffer_size"]
-            block["max_in_cpu"] = offload["max_in_cpu"]
+            block.update(
+                {
+                    key: offload[key]
+                    for key in ("buffer_count", "buffer_size", "max_in_cpu")
+                    if offload.get(key) is not None
+                }
+            )
     return block
 
 
@@ -228,7 +232,8 @@ def _composed(cfg: Mapping[str, Any], batch: BatchSizes, dtype: str, hidden_size
             value = comm[key]
             zero_block[key] = buckets[key] if value is None else value
     if stage == 3:
-        zero_block.update({key: zero[key] for key in STAGE3_ZERO_KEYS})
+        # null: left out, so DeepSpeed applies its own default.
+        zero_block.update({key: zero[key] for key in STAGE3_ZERO_KEYS if zero.get(key) is not None})
     if offload["optimizer"] != "none":
         zero_block["offload_optimizer"] = _offload_block(offload["optimizer"], offload, param=False)
     if offload["param"] != "none":
@@ -237,18 +242,9 @@ def _composed(cfg: Mapping[str, Any], batch: BatchSizes, dtype: str, hidden_size
     fp16: dict[str, Any] = {"enabled": dtype == "fp16"}
     if dtype == "fp16":
         precision = cfg["precision"]
-        fp16.update(
-            {
-                key: precision[key]
-                for key in (
-                    "loss_scale",
-                    "initial_scale_power",
-                    "loss_scale_window",
-                    "hysteresis",
-                    "min_loss_scale",
-                )
-            }
-        )
+        scaling = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
+        # null (precision=auto on a GPU without bf16): left out, DeepSpeed's defaults apply.
+        fp16.update({key: precision[key] for key in scaling if precision.get(key) is not None})
     return {
         "train_batch_size": batch.total,
         "train_micro_batch_size_per_gpu": batch.micro,
@@ -266,6 +262,10 @@ def _composed(cfg: Mapping[str, Any], batch: BatchSizes, dtype: str, hidden_size
                 "betas": [float(b) for b in train["betas"]],
                 "eps": float(train["eps"]),
                 "weight_decay": float(train["weight_decay"]),
+                # torch's fused AdamW: DeepSpeed would JIT-compile its fused_adam op (a minute) for the
+                # same update at the same speed (bench/optimizer.py). Offloaded optimizer states keep
+                # DeepSpeed's compiled CPU Adam (launcher.ops).
+                **({} if offload["optimizer"] != "none" else {"torch_adam": True, "fused": True}),
             },
         },
         "scheduler": {
@@ -414,6 +414,8 @@ def check_ds_config(ds: Mapping[str, Any], *, world_size: int, device: Device) -
 
     fp16 = bool(_get(ds, "fp16.enabled", False))
     bf16 = bool(_get(ds, "bf16.enabled", False)) or bool(_get(ds, "bfloat16.enabled", False))
+    if "bf16" in ds and "bfloat16" in ds:
+        raise LauncherError('"bf16" and its older spelling "bfloat16" are both set: keep only "bf16"')
     if fp16 and bf16:
         raise LauncherError(
             "fp16 and bf16 are both enabled (check precision=, deepspeed_extra and deepspeed_json): enable one of them"
@@ -497,6 +499,8 @@ def build_ds_config(
     DeepSpeed JSON; `explicit_groups` are the groups named on the command line, which override it.
     """
     _check_train(cfg["train"])
+    if base is not None:
+        base = with_bf16_spelling(base, base_source)
     batch = resolve_batch_sizes(*_batch_givens(cfg["train"], base, explicit_groups), world_size)
     dtype = resolve_precision(cfg["precision"]["dtype"], device)
     composed = _composed(cfg, batch, dtype, hidden_size)
@@ -510,7 +514,7 @@ def build_ds_config(
         composed = _merge_onto_base(
             base, composed, _fill_table(cfg, batch, dtype, hidden_size), explicit_groups, base_source
         )
-    extra = cfg.get("deepspeed_extra") or {}
+    extra = with_bf16_spelling(cfg.get("deepspeed_extra") or {}, "deepspeed_extra")
     unknown = sorted(set(extra) - KNOWN_TOP_LEVEL_KEYS)
     if unknown:
         raise LauncherError(
@@ -523,12 +527,32 @@ def build_ds_config(
 
 
 def precision_of(ds: Mapping[str, Any]) -> str:
-    """The training dtype a final DeepSpeed dict selects."""
-    if _get(ds, "fp16.enabled", False):
+    """The training dtype a DeepSpeed dict selects: fp16, bf16 or fp32.
+
+    The one answer to "which precision is this" (summary, checkpoints, planner). DeepSpeed reads the
+    "bf16" block and only falls back to its older spelling "bfloat16" when "bf16" is absent."""
+    if _enabled(_get(ds, "fp16.enabled", False)):
         return "fp16"
-    if _get(ds, "bf16.enabled", False) or _get(ds, "bfloat16.enabled", False):
+    bf16 = ds.get("bf16") if "bf16" in ds else ds.get("bfloat16")
+    if isinstance(bf16, Mapping) and _enabled(bf16.get("enabled", False)):
         return "bf16"
     return "fp32"
+
+
+def _enabled(value: Any) -> bool:
+    return value is True or (isinstance(value, str) and value.lower() == "true")
+
+
+def with_bf16_spelling(tree: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """`tree` with DeepSpeed's older key "bfloat16" renamed to "bf16".
+
+    DeepSpeed reads "bf16" first: a composed `"bf16": {"enabled": false}` next to a user's
+    `"bfloat16": {"enabled": true}` would silently train in fp32."""
+    if "bfloat16" not in tree:
+        return dict(tree)
+    if "bf16" in tree:
+        raise LauncherError(f'{source}: has both "bf16" and its older spelling "bfloat16": keep only "bf16"')
+    return {("bf16" if key == "bfloat16" else key): value for key, value in tree.items()}
 
 
 def explicit_groups_from_overrides(overrides: list[str]) -> frozenset[str]:

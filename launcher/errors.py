@@ -44,13 +44,17 @@ def one_line(err: BaseException) -> str:
 ERRORS_DIR = "errors"
 
 
-def record_rank_error(run_dir: Path, rank: int, message: str, exit_code: int, trace: str) -> Path:
-    """Write this rank's error record; returns the traceback file."""
+def record_rank_error(
+    run_dir: Path, rank: int, message: str, exit_code: int, trace: str, *, launch: str | None = None
+) -> Path:
+    """Write this rank's error record; returns the traceback file. `launch` names the launch it belongs to."""
     out = run_dir / ERRORS_DIR
     out.mkdir(parents=True, exist_ok=True)
     trace_file = out / f"rank{rank}.txt"
     trace_file.write_text(trace)
     record = {"rank": rank, "error": message, "exit_code": exit_code, "time": time.time(), "traceback": str(trace_file)}
+    if launch is not None:
+        record["launch"] = launch
     tmp = out / f".rank{rank}.json.tmp"
     tmp.write_text(json.dumps(record))
     os.replace(tmp, out / f"rank{rank}.json")

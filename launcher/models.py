@@ -419,7 +419,7 @@ def load_model_and_processor(path_or_hub_id: str, *, torch_dtype: torch.dtype | 
     Raises LauncherError with a one-line message when the path is neither a local model nor
     fetchable, or when it holds a model that is not an image-text-to-text model.
     """
-    config = _load_config(path_or_hub_id)
+    config = read_config(path_or_hub_id)
     if type(config) not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
         raise LauncherError(
             f"model.path={path_or_hub_id} is a {config.model_type} model, not an image-text-to-text model"
@@ -436,16 +436,73 @@ def load_model_and_processor(path_or_hub_id: str, *, torch_dtype: torch.dtype | 
     return model, processor
 
 
-def _load_config(path_or_hub_id: str):
+# Architecture facts (config.json only, no weights) of the real presets, shipped with the launcher so
+# that planning, dry runs and the memory preflight work without the hub. Weights still load by hub id.
+PRESET_CONFIGS = Path(__file__).resolve().parent / "presets"
+
+
+def shipped_config_dir(path_or_hub_id: str) -> Path | None:
+    """The shipped config directory of a hub id (None for local paths and other ids)."""
+    if Path(path_or_hub_id).expanduser().exists() or not is_hub_id(path_or_hub_id):
+        return None
+    shipped = PRESET_CONFIGS / path_or_hub_id.replace("/", "--")
+    return shipped if (shipped / "config.json").is_file() else None
+
+
+def is_hub_id(path: str) -> bool:
+    """"org/name", as the hub spells ids (a path like /models/x or ./x is a local directory)."""
+    return path.count("/") == 1 and not path.startswith((".", "/", "~"))
+
+
+def hub_unreachable() -> str | None:
+    """Why the hub cannot be reached right now (None when it can): offline mode, or no connection.
+
+    Checked before asking the hub, because huggingface_hub retries an unreachable hub for about 30 s
+    before it gives up."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE=1"
+    from urllib.parse import urlparse
+
+    endpoint = urlparse(constants.ENDPOINT)
+    host, port = endpoint.hostname or "", endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    if os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy"):
+        return None  # only the proxy knows; let the request try
+    import socket
+
     try:
-        return AutoConfig.from_pretrained(path_or_hub_id)
+        socket.create_connection((host, port), timeout=3).close()
+    except OSError as error:
+        return f"{host} is not reachable ({error.strerror or error})"
+    return None
+
+
+def read_config(path_or_hub_id: str):
+    """A model's config: a local directory's, a shipped preset's, or the hub's (one line when it cannot)."""
+    local = Path(path_or_hub_id).expanduser()
+    source = shipped_config_dir(path_or_hub_id) or local
+    if not source.exists() and not is_hub_id(path_or_hub_id):
+        raise LauncherError(
+            f"model.path={path_or_hub_id}: cannot read its config: not found locally and could not be fetched "
+            "from the hub (no such directory); give a local directory holding config.json or a reachable hub id"
+        )
+    if not source.exists():
+        offline = hub_unreachable()
+        if offline:
+            raise LauncherError(
+                f"model.path={path_or_hub_id}: cannot read its config: not a local directory, and the hub cannot "
+                f"be asked ({offline}); give a local directory holding the model, or run where the hub is reachable"
+            )
+        source = path_or_hub_id
+    try:
+        return AutoConfig.from_pretrained(str(source))
     except (OSError, ValueError) as error:
         reason = _first_line(error)
-        if Path(path_or_hub_id).is_dir():
-            raise LauncherError(f"model.path={path_or_hub_id}: cannot read a model config there ({reason})") from error
+        where = "there" if local.is_dir() else "from the hub"
         raise LauncherError(
-            f"model.path={path_or_hub_id}: not found locally and could not be fetched from the hub ({reason}). "
-            "Give a local directory or a reachable hub id"
+            f"model.path={path_or_hub_id}: cannot read its config {where} ({reason}); give a local directory "
+            "holding config.json or a reachable hub id"
         ) from error
 
 
@@ -543,3 +600,23 @@ def apply_freeze(model: nn.Module, *, vision: bool, projector: bool, language: b
 def component_parameter_counts(model: nn.Module) -> dict[str, int]:
     """Parameter counts per component, as `apply_freeze` returns them, without freezing anything."""
     return apply_freeze(model, vision=False, projector=False, language=False)
+
+
+def resolve_model_path(model: Any, seed: int, cache: Path, records: list[dict[str, Any]]) -> str:
+    """A hub id or directory to load; a tiny model is built (once, then cached) from the data's words.
+
+    `model` is the model config; `seed` (train.seed) initialises a tiny model's weights."""
+    if model.source == "pretrained":
+        return str(model.path)
+    texts = sorted({turn["value"] for record in records for turn in record["conversations"]})
+    dims = {
+        "hidden_size": model.hidden_size,
+        "num_layers": model.num_layers,
+        "vision_hidden_size": model.vision_hidden_size,
+        "vision_layers": model.vision_layers,
+        "image_size": model.image_size,
+        "patch_size": model.patch_size,
+    }
+    key = hashlib.sha256(json.dumps([str(model.arch), seed, dims, texts]).encode()).hexdigest()[:12]
+    out = cache / "models" / f"{model.arch}-{key}"
+    return str(build_tiny_model_dir(str(model.arch), out, texts, seed=seed, **dims))

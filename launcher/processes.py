@@ -24,10 +24,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from launcher.errors import LauncherError, TrainingFailed, clear_rank_errors, first_rank_error
-from launcher.rundir import SUMMARY_FILE, read_json
+from launcher.job import JobSpec
+from launcher.rundir import RunDir, Summary
 
-LAUNCHERS = ("local", "torchrun", "deepspeed", "slurm")
-STOP_FILE = "stop_requested"  # launcher.checkpoint.STOP_FILE, without importing torch here
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -119,7 +118,9 @@ def deepspeed_command(cfg: DictConfig, run_dir: Path, port: int) -> list[str]:
         raise LauncherError("dist=deepspeed needs dist.hostfile=PATH (lines of 'HOST slots=N')")
     hosts = hostfile_ranks(cfg)
     world = sum(len(slots) for slots in hosts.values())
-    planned = cfg.dist.nproc_per_node * cfg.dist.nnodes
+    from launcher.job import world_size_of
+
+    planned = world_size_of(cfg)
     if world != planned:
         raise LauncherError(
             f"dist.hostfile={cfg.dist.hostfile} gives {world} ranks on {len(hosts)} host(s) "
@@ -145,6 +146,34 @@ def deepspeed_command(cfg: DictConfig, run_dir: Path, port: int) -> list[str]:
     return command
 
 
+def _slurm_job_environment() -> Any | None:
+    """submitit's view of this SLURM task (or of its local executor's), None outside SLURM."""
+    if os.environ.get("SUBMITIT_EXECUTOR"):
+        from submitit import JobEnvironment
+
+        return JobEnvironment()
+    if "SLURM_PROCID" in os.environ and "SLURM_JOB_ID" in os.environ:
+        from submitit.slurm.slurm import SlurmJobEnvironment
+
+        return SlurmJobEnvironment()
+    return None
+
+
+def slurm_global_rank(cfg: DictConfig) -> int | None:
+    """This task's global rank under dist=slurm (None for other launchers, or outside a SLURM task)."""
+    if cfg.dist.launcher != "slurm":
+        return None
+    job = _slurm_job_environment()
+    return None if job is None else int(job.global_rank)
+
+
+def launch_id(cfg: DictConfig) -> str | None:
+    """What tells one start of a SLURM job from the next (a requeue keeps the job id, not the count)."""
+    if cfg.dist.launcher != "slurm" or (job := _slurm_job_environment()) is None:
+        return None
+    return f"{job.job_id}.{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+
+
 def slurm_rank_env(cfg: DictConfig) -> dict[str, str]:
     """This task's rank environment from SLURM's (or submitit's local executor's) variables.
 
@@ -152,14 +181,8 @@ def slurm_rank_env(cfg: DictConfig) -> dict[str, str]:
     and SLURM_JOB_NODELIST, whose first host is the master); outside submitit (`srun python train.py`)
     its SLURM reader is used directly. The port is dist.master_port, or one derived from the job id so
     that every task of the job agrees without talking to the others."""
-    from submitit import JobEnvironment
-    from submitit.slurm.slurm import SlurmJobEnvironment
-
-    if os.environ.get("SUBMITIT_EXECUTOR"):
-        job = JobEnvironment()
-    elif "SLURM_PROCID" in os.environ and "SLURM_JOB_ID" in os.environ:
-        job = SlurmJobEnvironment()
-    else:
+    job = _slurm_job_environment()
+    if job is None:
         raise LauncherError(
             "dist=slurm: no SLURM task environment (SLURM_PROCID, SLURM_JOB_ID): run with "
             "`python train.py -m dist=slurm ...` (submitit) or under `srun`"
@@ -173,32 +196,30 @@ def slurm_rank_env(cfg: DictConfig) -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- running them
-def launch(cfg: DictConfig, run_dir: Path, *, isolate: bool = False) -> dict[str, Any]:
-    """Train with the job planned in `run_dir`; returns rank 0's summary.
+def launch(cfg: DictConfig, spec: JobSpec) -> Summary:
+    """Train the job planned in its run directory; returns rank 0's summary.
 
-    One rank runs in this process, unless `isolate` (set for the jobs of a sweep): DeepSpeed keeps
-    process-group state in module globals that a second job in the same process would trip over,
-    and a crashing job must not take the sweep down with it.
+    One rank runs in this process, unless the job belongs to a sweep: DeepSpeed keeps process-group
+    state in module globals that a second job in the same process would trip over, and a crashing
+    job must not take the sweep down with it.
     """
-    kind = cfg.dist.launcher
-    if kind not in LAUNCHERS:
-        raise LauncherError(f"dist.launcher={kind} is unknown: use dist=local, torchrun, deepspeed or slurm")
-    nproc, nnodes = int(cfg.dist.nproc_per_node), int(cfg.dist.nnodes)
-    if kind == "local" and nnodes > 1:
-        raise LauncherError(f"dist=local runs on this machine only (dist.nnodes={nnodes}): use dist=torchrun")
+    run_dir = spec.hydra.run_dir
+    kind, nproc = cfg.dist.launcher, spec.ranks_per_node
+    if kind == "local" and cfg.dist.nnodes > 1:
+        raise LauncherError(f"dist=local runs on this machine only (dist.nnodes={cfg.dist.nnodes}): use dist=torchrun")
     if kind == "slurm":
-        return _train_as_slurm_task(cfg, run_dir, nproc * nnodes)
+        return train_as_slurm_task(cfg, run_dir, spec.world_size)
 
     port = _master_port(cfg)
-    stop_file = run_dir / STOP_FILE
+    stop_file = RunDir(run_dir).stop_file
     if cfg.dist.node_rank == 0:
         stop_file.unlink(missing_ok=True)  # left by an earlier, preempted segment of this run
         clear_rank_errors(run_dir)
     env = dict(os.environ)
     if kind == "local" and nproc == 1:
-        if not isolate:
+        if not spec.hydra.multirun:
             os.environ.update(_rank_env(0, 0, 1, 1, str(cfg.dist.master_addr), port))
-            from launcher.train_loop import train
+            from launcher.recipe import train
 
             return train(cfg, run_dir)
         command = [sys.executable, "-m", "launcher.worker", str(run_dir)]
@@ -224,7 +245,7 @@ def _remove_shared_memory(addr: str, port: int) -> None:
         segment.unlink(missing_ok=True)
 
 
-def _train_as_slurm_task(cfg: DictConfig, run_dir: Path, planned_world_size: int) -> dict[str, Any]:
+def train_as_slurm_task(cfg: DictConfig, run_dir: Path, planned_world_size: int) -> Summary:
     """Under SLURM every task is already a rank: set its environment and train in this process."""
     rank_env = slurm_rank_env(cfg)
     if int(rank_env["WORLD_SIZE"]) != planned_world_size:
@@ -239,26 +260,25 @@ def _train_as_slurm_task(cfg: DictConfig, run_dir: Path, planned_world_size: int
         # Every task would use all of the node's cores: give each its share (SLURM's, when it says).
         share = (os.cpu_count() or 1) // int(rank_env["LOCAL_WORLD_SIZE"])
         torch.set_num_threads(int(os.environ.get("SLURM_CPUS_PER_TASK") or 0) or max(1, share))
-    from launcher.train_loop import train
+    from launcher.recipe import train
 
     return train(cfg, run_dir)
 
 
-def _outcome(run_dir: Path, returncode: int, node_rank: int = 0) -> dict[str, Any]:
+def _outcome(run_dir: Path, returncode: int, node_rank: int = 0) -> Summary:
     """Rank 0's summary when the ranks succeeded; else the first failing rank's error, as one exception."""
-    summary_path = run_dir / SUMMARY_FILE
-    summary = read_json(summary_path) if summary_path.is_file() else {}
+    summary = RunDir(run_dir).read_summary()
     if returncode == 0 and node_rank > 0:
         # Another node's launcher: rank 0 (on node 0) writes the summary, maybe on another disk.
-        return summary or {"status": "completed"}
-    if returncode == 0 and summary.get("status") in ("completed", "preempted"):
+        return summary or Summary(status="completed")
+    if returncode == 0 and summary is not None and summary.status in ("completed", "preempted"):
         return summary
     first = first_rank_error(run_dir)
     if first is not None:
         if first["exit_code"] == 2:  # a user's mistake (bad data, say): the same line as with one rank
             raise LauncherError(first["error"])
         raise TrainingFailed(f"rank {first['rank']}: {first['error']} (traceback: {first['traceback']})")
-    error = summary.get("error") or f"training exited with code {returncode}"
+    error = (summary.error if summary else None) or f"training exited with code {returncode}"
     raise (LauncherError if returncode == 2 else TrainingFailed)(error)
 
 

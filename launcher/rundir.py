@@ -1,17 +1,29 @@
-"""The files a run directory holds, written atomically so nothing half-written looks complete.
+"""The run directory: one object names every path a run writes; summary.json is one typed record.
 
-ds_config.json   the exact dict given to DeepSpeed
-job.json         facts the ranks need from the Hydra job (overrides, choices, W&B group)
-metrics.jsonl    one line per logged step
-summary.json     the run's outcome (status "running" until it ends)
-train.log        the log of rank 0
+    .hydra/            Hydra's config.yaml, hydra.yaml, overrides.yaml (the job's command line)
+    ds_config.json     the exact dict given to DeepSpeed
+    job.json           the job spec the ranks read (world size, precision, overrides, choices, W&B group)
+    metrics.jsonl      one line per logged step
+    summary.json       the run's outcome (status "running" until it ends)
+    train.log          the log of rank 0
+    checkpoints/       resumable checkpoints (launcher.checkpoint)
+    errors/            each failing rank's one-line error and traceback (launcher.errors)
+    model/             the final model in Hugging Face format
+    stop_requested     a stop signal forwarded to the ranks by the launcher process
+    wandb_run_id       the W&B run a resume continues; wandb/ holds W&B's own files
+
+Every JSON file is written atomically (a temporary file and a rename), so nothing half-written looks
+complete, and never with NaN or Infinity (not JSON): a non-finite number is written as null.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +33,164 @@ METRICS_FILE = "metrics.jsonl"
 DS_CONFIG_FILE = "ds_config.json"
 
 
+@dataclass(frozen=True)
+class RunDir:
+    """The paths of one run directory."""
+
+    path: Path
+
+    @property
+    def hydra(self) -> Path:
+        return self.path / ".hydra"
+
+    @property
+    def config(self) -> Path:
+        """The composed config the ranks train with (written by Hydra, or by a resume)."""
+        return self.hydra / "config.yaml"
+
+    @property
+    def overrides(self) -> Path:
+        return self.hydra / "overrides.yaml"
+
+    @property
+    def ds_config(self) -> Path:
+        return self.path / DS_CONFIG_FILE
+
+    @property
+    def job(self) -> Path:
+        return self.path / JOB_FILE
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / METRICS_FILE
+
+    @property
+    def summary(self) -> Path:
+        return self.path / SUMMARY_FILE
+
+    @property
+    def train_log(self) -> Path:
+        return self.path / "train.log"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def errors(self) -> Path:
+        return self.path / "errors"
+
+    @property
+    def model(self) -> Path:
+        return self.path / "model"
+
+    @property
+    def stop_file(self) -> Path:
+        return self.path / "stop_requested"
+
+    @property
+    def wandb_run_id(self) -> Path:
+        return self.path / "wandb_run_id"
+
+    def read_summary(self) -> Summary | None:
+        """The summary a run left, or None when there is none (or it cannot be read)."""
+        try:
+            return Summary.from_json(read_json(self.summary))
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def write_summary(self, summary: Summary) -> None:
+        write_json_atomic(self.summary, summary.to_json())
+
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        with open(self.metrics, "a") as handle:
+            handle.write(json.dumps(finite(record), allow_nan=False) + "\n")
+
+
+@dataclass
+class Summary:
+    """summary.json: a run's outcome. Written by rank 0 while training, by the launcher otherwise."""
+
+    status: str = "running"  # running | completed | preempted | failed | interrupted
+    steps: int = 0
+    wall_s: float | None = None
+    final_loss: float | None = None
+    eval_loss: float | None = None
+    eval_accuracy: float | None = None
+    samples_per_sec: float | None = None
+    tokens_per_sec: float | None = None
+    peak_memory_bytes: int | None = None
+    world_size: int | None = None
+    zero_stage: int | None = None
+    precision: str | None = None
+    offload: str | None = None
+    comm: str | None = None
+    deepspeed: str | None = None
+    model: str | None = None
+    error: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    choices: dict[str, Any] = field(default_factory=dict)
+    objective: float | None = None
+    # What training learnt about the job (absent from the file until known).
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def for_job(cls, job: dict[str, Any]) -> Summary:
+        """The summary of a job that has not produced anything yet."""
+        choices = dict(job.get("choices") or {})
+        return cls(
+            world_size=job.get("world_size"),
+            precision=choices.get("precision"),
+            offload=choices.get("offload"),
+            comm=choices.get("comm"),
+            deepspeed=choices.get("deepspeed"),
+            model=choices.get("model"),
+            overrides=list(job.get("overrides") or []),
+            choices=choices,
+        )
+
+    def failed(self, error: str, *, wall_s: float, status: str = "failed") -> None:
+        """Record how the job ended when it did not complete."""
+        self.status = status
+        self.error = error.splitlines()[0] if error else error
+        if self.wall_s is None:
+            self.wall_s = round(wall_s, 3)
+
+    def to_json(self) -> dict[str, Any]:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        return finite({**fields, **self.extra})
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Summary:
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        return cls(
+            **{k: v for k, v in data.items() if k in names}, extra={k: v for k, v in data.items() if k not in names}
+        )
+
+
+def summary_skeleton(job: dict[str, Any]) -> dict[str, Any]:
+    """The fields every summary.json has, with nulls where the run has not produced them."""
+    return Summary.for_job(job).to_json()
+
+
+def finite(obj: Any) -> Any:
+    """`obj` with every NaN or infinite float replaced by None (JSON has no NaN)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {key: finite(value) for key, value in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite(value) for value in obj]
+    return obj
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Write JSON through a temporary file and a rename: readers see the old or the new file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as handle:
-            json.dump(obj, handle, indent=2, default=str)
+            json.dump(finite(obj), handle, indent=2, default=str, allow_nan=False)
             handle.write("\n")
         os.replace(tmp, path)
     except BaseException:
@@ -58,43 +221,13 @@ def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
 
 
-def summary_skeleton(job: dict[str, Any]) -> dict[str, Any]:
-    """The fields every summary.json has, with nulls where the run has not produced them."""
-    choices = job.get("choices", {})
-    return {
-        "status": "running",
-        "steps": 0,
-        "wall_s": None,
-        "final_loss": None,
-        "eval_loss": None,
-        "eval_accuracy": None,
-        "samples_per_sec": None,
-        "tokens_per_sec": None,
-        "peak_memory_bytes": None,
-        "world_size": job.get("world_size"),
-        "zero_stage": None,
-        "precision": choices.get("precision"),
-        "offload": choices.get("offload"),
-        "comm": choices.get("comm"),
-        "deepspeed": choices.get("deepspeed"),
-        "model": choices.get("model"),
-        "error": None,
-        "overrides": job.get("overrides", []),
-        "choices": choices,
-        "objective": None,
-    }
-
-
 def write_failed_summary(run_dir: Path, job: dict[str, Any], error: str, *, wall_s: float) -> None:
     """A job that could not start still leaves a summary saying why (sweeps list it as failed)."""
-    path = run_dir / SUMMARY_FILE
-    summary = read_json(path) if path.is_file() else summary_skeleton(job)
-    summary.update({"status": "failed", "error": error.splitlines()[0] if error else error})
-    if summary.get("wall_s") is None:
-        summary["wall_s"] = round(wall_s, 3)
-    write_json_atomic(path, summary)
+    directory = RunDir(Path(run_dir))
+    summary = directory.read_summary() or Summary.for_job(job)
+    summary.failed(error, wall_s=wall_s)
+    directory.write_summary(summary)
 
 
 def append_metrics(run_dir: Path, record: dict[str, Any]) -> None:
-    with open(run_dir / METRICS_FILE, "a") as handle:
-        handle.write(json.dumps(record) + "\n")
+    RunDir(Path(run_dir)).append_metrics(record)

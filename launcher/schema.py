@@ -9,93 +9,134 @@ and transformers so that `python train.py --cfg job` is instant.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 
+# ----------------------------------------------------------------------------- closed choices
+# Every field with a closed set of values is an enum: OmegaConf refuses anything else when the config
+# is composed ("Invalid value 'onlin', expected one of [auto, online, offline, disabled]"), before any
+# process starts. Member names equal their values, so the YAML, the command line and the saved
+# .hydra/config.yaml all spell a choice the same way, and a member compares equal to its string.
+class Choice(str, Enum):
+    """A closed choice; behaves as its string value (comparisons, f-strings, JSON)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+def _choice(name: str, values: tuple[str, ...]) -> type[Choice]:
+    return Choice(name, {value: value for value in values})  # type: ignore[return-value]
+
+
+Precision = _choice("Precision", ("fp32", "bf16", "fp16", "auto"))
+PlannedPrecision = _choice("PlannedPrecision", ("bf16", "fp16", "fp32"))
+OffloadDevice = _choice("OffloadDevice", ("none", "cpu", "nvme"))
+ModelSource = _choice("ModelSource", ("tiny", "pretrained"))
+TinyArch = _choice("TinyArch", ("tiny_llava", "tiny_qwen2_vl"))
+OnBadRecord = _choice("OnBadRecord", ("error", "skip"))
+DistLauncher = _choice("DistLauncher", ("local", "torchrun", "deepspeed", "slurm"))
+DistBackend = _choice("DistBackend", ("auto", "nccl", "gloo", "ccl"))
+LoggerMode = _choice("LoggerMode", ("auto", "online", "offline", "disabled"))
+Preflight = _choice("Preflight", ("warn", "error", "off"))
+# The metric a sweep optimises, and where summary.json keeps it.
+OBJECTIVES = {
+    "eval/loss": "eval_loss",
+    "eval/accuracy": "eval_accuracy",
+    "train/loss": "final_loss",
+    "perf/samples_per_sec": "samples_per_sec",
+    "perf/tokens_per_sec": "tokens_per_sec",
+}
+Objective = _choice("Objective", tuple(OBJECTIVES))
+
+
+# ----------------------------------------------------------------------------- the groups
+# Where a value lives: a group's option YAML (conf/<group>/<option>.yaml) sets what differs between
+# options; the schema holds the types and the few values no option changes. MISSING marks a field
+# every option of its group sets; None marks an optional knob ("not used here", "derived", or
+# "DeepSpeed's own default"). The training knobs have their values in conf/train/default.yaml only.
 @dataclass
 class ZeroConfig:
     """ZeRO stage and the knobs that only exist for that stage (names as DeepSpeed spells them)."""
 
-    stage: int = 0
-    # Stage 3 only: how many parameters may be gathered at once, and how soon a released
-    # parameter may be reused before it is re-gathered. Lower both to save memory.
-    stage3_max_live_parameters: int = 1_000_000_000
-    stage3_max_reuse_distance: int = 1_000_000_000
-    # Stage 3 only: gather full 16-bit weights when the model is saved (needed for model/).
-    stage3_gather_16bit_weights_on_model_save: bool = True
-    # Stage 3 only: optimizer-step granularity; smaller lowers peak memory of offloaded steps.
-    sub_group_size: int = 1_000_000_000
+    stage: int = MISSING
+    # Stage 3 only (values in conf/zero/stage3.yaml; null: DeepSpeed's default).
+    stage3_max_live_parameters: int | None = None
+    stage3_max_reuse_distance: int | None = None
+    stage3_gather_16bit_weights_on_model_save: bool | None = None
+    sub_group_size: int | None = None
 
 
 @dataclass
 class PrecisionConfig:
     """Training dtype; `auto` resolves at run time from what the device supports."""
 
-    dtype: str = "fp32"  # fp32 | bf16 | fp16 | auto
-    # fp16 loss scaling (ignored otherwise). loss_scale=0 means dynamic scaling.
-    loss_scale: float = 0.0
-    initial_scale_power: int = 16
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    min_loss_scale: float = 1.0
+    dtype: Precision = MISSING
+    # fp16 loss scaling (values in conf/precision/fp16.yaml; null: DeepSpeed's default).
+    loss_scale: float | None = None
+    initial_scale_power: int | None = None
+    loss_scale_window: int | None = None
+    hysteresis: int | None = None
+    min_loss_scale: float | None = None
 
 
 @dataclass
 class OffloadConfig:
     """Where optimizer states and parameters live when they are not on the accelerator."""
 
-    optimizer: str = "none"  # none | cpu | nvme
-    param: str = "none"  # none | cpu | nvme
+    optimizer: OffloadDevice = MISSING
+    param: OffloadDevice = MISSING
+    # Page-locked host memory for offloaded states: faster transfers, but it cannot be swapped out.
     pin_memory: bool = True
+    # NVMe only (values in conf/offload/nvme.yaml): the swap directory, parameter swap buffers
+    # (count, elements each) and elements kept in CPU memory before swapping.
     nvme_path: str | None = None
-    # NVMe parameter offload: number and size (elements) of the swap buffers.
-    buffer_count: int = 5
-    buffer_size: int = 100_000_000
-    # Parameter offload: elements kept in CPU memory before swapping to NVMe.
-    max_in_cpu: int = 1_000_000_000
+    buffer_count: int | None = None
+    buffer_size: int | None = None
+    max_in_cpu: int | None = None
 
 
 @dataclass
 class CommConfig:
     """Communication knobs. A null bucket size is derived from the model's hidden size."""
 
-    overlap_comm: bool = True
-    contiguous_gradients: bool = True
-    reduce_scatter: bool = True
-    allgather_partitions: bool = True
-    reduce_bucket_size: int | None = None
-    allgather_bucket_size: int | None = None
-    stage3_prefetch_bucket_size: int | None = None
-    stage3_param_persistence_threshold: int | None = None
+    overlap_comm: bool = MISSING
+    contiguous_gradients: bool = MISSING
+    reduce_scatter: bool = MISSING
+    allgather_partitions: bool = MISSING
+    reduce_bucket_size: int | None = MISSING
+    allgather_bucket_size: int | None = MISSING
+    stage3_prefetch_bucket_size: int | None = MISSING
+    stage3_param_persistence_threshold: int | None = MISSING
 
 
 @dataclass
 class TrainConfig:
-    """Training knobs the DeepSpeed dict depends on. Give any two of the three batch sizes."""
+    """Training knobs: types here, values and their meaning in conf/train/default.yaml."""
 
-    micro_batch_size: int | None = 32  # per device
-    grad_accum: int | None = None
-    global_batch_size: int | None = None
-    max_steps: int = 1000
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup_steps: int | None = None  # null: 5% of max_steps
-    # Floor of the cosine schedule, as a fraction of lr.
-    min_lr_ratio: float = 0.05
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # 0 disables clipping
-    seed: int = 0
-    eval_every: int = 250  # 0: evaluate only at the end
-    save_every: int = 0  # 0: checkpoint only at the end
-    keep_checkpoints: int = 2  # the newest K complete checkpoints are kept, older ones deleted
-    # fp16 only: steps with a non-finite loss tolerated in a row (the loss scaler skips their update);
-    # fp32/bf16 apply every update, so a non-finite loss always stops the run.
-    max_nonfinite_steps: int = 0
-    log_every: int = 100
+    micro_batch_size: int | None = MISSING
+    grad_accum: int | None = MISSING
+    global_batch_size: int | None = MISSING
+    max_steps: int = MISSING
+    lr: float = MISSING
+    weight_decay: float = MISSING
+    warmup_steps: int | None = MISSING
+    min_lr_ratio: float = MISSING
+    betas: list[float] = MISSING
+    eps: float = MISSING
+    grad_clip: float = MISSING
+    seed: int = MISSING
+    eval_every: int = MISSING
+    save_every: int = MISSING
+    keep_checkpoints: int = MISSING
+    max_nonfinite_steps: int = MISSING
+    log_every: int = MISSING
 
 
 @dataclass
@@ -103,20 +144,20 @@ class ModelConfig:
     """A vision-language model: built tiny from code (`source: tiny`) or loaded (`source: pretrained`)."""
 
     name: str = MISSING
-    source: str = "tiny"  # tiny | pretrained
-    # pretrained: a hub id or a local directory; tiny: the architecture to build.
+    source: ModelSource = MISSING
+    # pretrained: a hub id or a local directory; tiny: null (the model is built from code).
     path: str | None = None
-    arch: str | None = None  # tiny_llava | tiny_qwen2_vl
+    arch: TinyArch | None = None  # tiny models only: the architecture to build
     freeze_vision: bool = False
     freeze_projector: bool = False
     freeze_language: bool = False
-    # Dimensions of a tiny model (ignored for pretrained models, whose config says).
-    hidden_size: int = 64
-    num_layers: int = 2
-    vision_hidden_size: int = 64
-    vision_layers: int = 2
-    image_size: int = 32
-    patch_size: int = 8
+    # Dimensions of a tiny model (values in conf/model/tiny_*.yaml; a pretrained model's config says).
+    hidden_size: int | None = None
+    num_layers: int | None = None
+    vision_hidden_size: int | None = None
+    vision_layers: int | None = None
+    image_size: int | None = None
+    patch_size: int | None = None
 
 
 @dataclass
@@ -124,28 +165,29 @@ class DataConfig:
     """A data set in LLaVA conversation format; `synthetic: true` generates the built-in one first."""
 
     name: str = MISSING
-    synthetic: bool = False
-    path: str | None = None
-    eval_path: str | None = None
-    image_root: str | None = None
-    on_bad_record: str = "error"  # error | skip
-    num_workers: int = 1
+    synthetic: bool = MISSING
+    path: str | None = None  # the training file (required unless synthetic)
+    eval_path: str | None = None  # an optional held-out file in the same format
+    image_root: str | None = None  # image paths are relative to it (default: the data file's folder)
+    # error: stop at the first bad record; skip: skip bad records and count them.
+    on_bad_record: OnBadRecord = OnBadRecord.error
+    num_workers: int = MISSING  # DataLoader worker processes (0: decode images in the training process)
     # Exact-match accuracy of greedy generation on the eval split (meaningful for short answers).
-    eval_accuracy: bool = False
+    eval_accuracy: bool = MISSING
     eval_samples: int = 256
     max_new_tokens: int = 8
-    # Built-in synthetic data only.
-    n_train: int = 4000
-    n_eval: int = 200
-    image_size: int = 32
-    seed: int = 0
+    # Built-in synthetic data only (values in conf/data/shapes.yaml).
+    n_train: int | None = None
+    n_eval: int | None = None
+    image_size: int | None = None
+    seed: int | None = None
 
 
 @dataclass
 class DistConfig:
     """How ranks start (the `dist` group): local | torchrun | deepspeed | slurm; see conf/dist/*.yaml."""
 
-    launcher: str = "local"
+    launcher: DistLauncher = MISSING
     nproc_per_node: int = 1
     nnodes: int = 1
     node_rank: int = 0  # torchrun: this node's rank (0 .. nnodes-1)
@@ -154,7 +196,7 @@ class DistConfig:
     hostfile: str | None = None  # deepspeed: "HOST slots=N" lines
     include: str = ""  # deepspeed: --include, e.g. "node1@node2:0,1"
     exclude: str = ""  # deepspeed: --exclude
-    backend: str = "auto"  # auto: nccl on GPU, gloo on CPU
+    backend: DistBackend = DistBackend.auto  # auto: nccl on GPU, gloo on CPU
     timeout_s: int = 1800  # a collective that waits longer fails the job (DeepSpeed's default: 30 min)
 
 
@@ -162,11 +204,12 @@ class DistConfig:
 class LoggerConfig:
     """Weights & Biases logging (rank 0 only)."""
 
-    name: str = "wandb"
-    enabled: bool = True
+    name: str = MISSING
+    enabled: bool = MISSING
     project: str = "vlm-ds-launcher"
     entity: str | None = None
-    mode: str = "auto"  # auto | online | offline | disabled
+    # auto: online when logged in, offline (inside the run directory) otherwise.
+    mode: LoggerMode = LoggerMode.auto
     tags: list[str] = field(default_factory=list)
 
 
@@ -184,7 +227,7 @@ class PlanConfig:
     text_tokens: int | None = None  # null: 512 (tiny models: 32)
     images_per_sample: int = 1
     image_size: int | None = None  # pixels per side for dynamic-resolution models (Qwen2-VL); null: 448
-    precisions: list[str] | None = None  # null: those the device supports (bf16, fp16, fp32)
+    precisions: list[PlannedPrecision] | None = None  # null: those the device supports (bf16, fp16, fp32)
     markdown: bool = False  # print the table as Markdown
 
 
@@ -212,11 +255,11 @@ class Config:
     # Compose, validate, write ds_config.json and print it; train nothing.
     dry_run: bool = False
     # Estimate memory before training: warn (print a line when it is not expected to fit), error, off.
-    preflight: str = "warn"
+    preflight: Preflight = Preflight.warn
     # Where built-in models and data are cached between runs.
     cache_dir: str = "${oc.env:VLM_LAUNCHER_CACHE,outputs/cache}"
     # The metric a sweep optimises (returned by the job).
-    objective: str = "eval/loss"
+    objective: Objective = Objective["eval/loss"]
 
 
 def register_configs() -> None:

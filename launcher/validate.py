@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.ds_config import Device
-from launcher.errors import LauncherError, one_line
+from launcher.errors import LauncherError
 from launcher.rundir import directory_problem
 
 
@@ -35,32 +35,6 @@ def detect_device() -> Device:
         fp16=bool(accelerator.is_fp16_supported()),
         name=name,
     )
-
-
-def model_hidden_size(model_cfg: DictConfig) -> int:
-    """Hidden size of the language model: a tiny model's config says; a real one's config file does."""
-    if model_cfg.source == "tiny":
-        return int(model_cfg.hidden_size)
-    if model_cfg.source != "pretrained":
-        raise LauncherError(f"model.source={model_cfg.source} is unknown: use tiny or pretrained")
-    if not model_cfg.path:
-        raise LauncherError(f"model.path is empty for model={model_cfg.name}: give a hub id or a local directory")
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(model_cfg.path)
-    except (OSError, ValueError) as err:
-        first = one_line(err)
-        raise LauncherError(
-            f"model.path={model_cfg.path}: cannot read its config ({first}); give a local directory "
-            "holding config.json or a reachable hub id"
-        ) from None
-    check_image_text_to_text(config, model_cfg.path)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden = getattr(text_config, "hidden_size", None)
-    if not hidden:
-        raise LauncherError(f"model.path={model_cfg.path}: its config has no hidden_size for the language model")
-    return int(hidden)
 
 
 def check_image_text_to_text(config: Any, path: str) -> None:

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     cfg = OmegaConf.load(args.run_dir / ".hydra" / "config.yaml")
-    from launcher.train_loop import train
+    from launcher.recipe import train
 
     try:
         train(cfg, args.run_dir)

@@ -92,11 +92,6 @@ CASES = [
         "{data}/image_dir.json record 1: image {data}/images is a directory",
     ),
     Case("num-workers-negative", ("data.num_workers=-1",), "data.num_workers=-1 must be 0 or more"),
-    Case(
-        "on-bad-record-unknown",
-        ("data=llava_json", "data.path={data}/train.json", "data.on_bad_record=ignore"),
-        "data.on_bad_record=ignore: choose 'error' or 'skip'",
-    ),
     # ------------------------------------------------------------------ model
     Case(
         "model-dir-without-config",

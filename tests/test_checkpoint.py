@@ -9,7 +9,7 @@ from pathlib import Path
 from torch.utils.data import DataLoader
 
 from launcher import checkpoint
-from launcher.entry import apply_resume_argument
+from launcher.resume import resumed_overrides, resumed_run_dir
 
 
 def make_checkpoint(checkpoints: Path, step: int, *, complete: bool = True) -> None:
@@ -61,13 +61,15 @@ def test_incompatibilities_name_what_differs():
 def test_resume_argument_reruns_the_old_overrides_in_the_old_directory(tmp_path):
     run_dir = tmp_path / "run"
     (run_dir / ".hydra").mkdir(parents=True)
-    (run_dir / ".hydra" / "overrides.yaml").write_text("- train.max_steps=40\n- deepspeed=z3\n- resume=auto\n")
+    old = ["train.max_steps=40", "deepspeed=z3", "resume=auto"]
+    (run_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in old))
     argv = ["train.py", f"resume={run_dir}", "train.max_steps=80", "hydra.run.dir=elsewhere"]
-    apply_resume_argument(argv)
-    assert argv == ["train.py", "deepspeed=z3", f"resume={run_dir}", "train.max_steps=80", f"hydra.run.dir='{run_dir}'"]
-    untouched = ["train.py", "resume=auto", "hydra.run.dir=x"]
-    apply_resume_argument(untouched)
-    assert untouched == ["train.py", "resume=auto", "hydra.run.dir=x"]
+    assert resumed_run_dir(argv) == run_dir
+    assert resumed_overrides(old, argv[1:]) == ["deepspeed=z3", f"resume={run_dir}", "train.max_steps=80"]
+    # resume=auto continues hydra.run.dir only when a run was started there; sweeps never resume.
+    assert resumed_run_dir(["train.py", "resume=auto", f"hydra.run.dir={tmp_path / 'x'}"]) is None
+    assert resumed_run_dir(["train.py", "resume=auto", f"hydra.run.dir={run_dir}"]) == run_dir
+    assert resumed_run_dir(["train.py", "-m", f"resume={run_dir}"]) is None
 
 
 def test_data_position_resumes_without_repeating_or_skipping_samples():
@@ -90,7 +92,7 @@ def test_data_position_resumes_without_repeating_or_skipping_samples():
 
 
 def test_a_nonfinite_loss_stops_unless_fp16_may_skip_it():
-    from launcher.train_loop import nonfinite_action
+    from launcher.recipe import nonfinite_action
 
     assert nonfinite_action(1.5, fp16=False, in_a_row=0, allowed=0) == "ok"
     for loss in (math.nan, math.inf, -math.inf):

@@ -172,7 +172,7 @@ def test_load_errors_are_one_line(tmp_path):
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(LauncherError, match="cannot read a model config"):
+    with pytest.raises(LauncherError, match="cannot read its config there"):
         load_model_and_processor(str(empty))
 
 

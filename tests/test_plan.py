@@ -33,10 +33,10 @@ from typing import Any
 
 import pytest
 
-from launcher import plan
+from launcher import memory, model_stats, plan
 from launcher.ds_config import Device, build_ds_config
-from launcher.errors import LauncherError
-from launcher.plan import (
+from launcher.job import HydraJob, plan_job
+from launcher.memory import (
     BYTES,
     PRESETS,
     Layout,
@@ -144,12 +144,12 @@ def test_activation_formula_by_hand():
 
 def test_step_and_buffers_by_hand():
     stats = _tiny_stats()
-    step, buffers = plan.step_and_buffer_bytes(stats, Layout(stage=0, dtype="bf16", world_size=2))
+    step, buffers = memory.step_and_buffer_bytes(stats, Layout(stage=0, dtype="bf16", world_size=2))
     assert (step, buffers) == (400, 200)  # fp32 gradients of the FP16 optimizer; the all-reduce flattening
     layout = Layout(stage=3, dtype="bf16", world_size=4, reduce_bucket=8, prefetch_bucket=6)
-    assert plan.step_and_buffer_bytes(stats, layout) == (4 * 25, 2 * (8 + 6 + 2 * 40))
+    assert memory.step_and_buffer_bytes(stats, layout) == (4 * 25, 2 * (8 + 6 + 2 * 40))
     offloaded = Layout(stage=2, dtype="bf16", offload_optimizer="cpu", reduce_bucket=8, allgather_bucket=1000)
-    assert plan.step_and_buffer_bytes(stats, offloaded) == (0, 2 * (8 + 100))  # a bucket is at most the model
+    assert memory.step_and_buffer_bytes(stats, offloaded) == (0, 2 * (8 + 100))  # a bucket is at most the model
 
 
 def test_cpu_memory_per_node_is_loading_or_offloaded_states():
@@ -170,7 +170,7 @@ def test_fits_and_recommend_take_the_fastest_that_fits():
 
     def row(preset: str, dtype: str, need: int) -> Row:
         est = estimate(stats, Layout(stage=PRESETS[preset][0], dtype=dtype), seq_len=1)
-        est = plan.Estimate(**{**est.__dict__, "activations": need - est.device_total + est.activations})
+        est = memory.Estimate(**{**est.__dict__, "activations": need - est.device_total + est.activations})
         ok, _ = fits(est, target)
         return Row(preset, dtype, est, ok, "")
 
@@ -300,7 +300,7 @@ def published(tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("model", list(PUBLISHED_COUNTS))
 def test_meta_model_counts_match_the_published_models(published, model):
     cfg = compose_config([f"model={model}", f"model.path={published[model]}"])
-    stats = plan.model_stats(cfg)
+    stats = model_stats.model_stats(cfg)
     assert stats.total == PUBLISHED_COUNTS[model]
     assert stats.frozen == ("vision",)  # both presets freeze the vision tower
     assert stats.trainable == stats.total - stats.components["vision"]
@@ -340,6 +340,12 @@ def test_cli_reports_errors_in_one_line(capsys):
     assert plan.main(["plan.gpu_memroy_gb=80"]) == 1
 
 
+def _planned(overrides: list[str], device: Device):
+    """The composed config and job spec of `train.py OVERRIDES`, planned for `device`."""
+    cfg = compose_config(overrides)
+    return cfg, plan_job(cfg, HydraJob(run_dir=ROOT, overrides=tuple(overrides)), device=device, validate=False)
+
+
 def test_preflight_warns_with_a_preset_that_fits(published):
     overrides = [
         "model=llava_1_5_7b",
@@ -349,24 +355,12 @@ def test_preflight_warns_with_a_preset_that_fits(published):
         "train.micro_batch_size=1",
         "precision=bf16",
     ]
-    cfg = compose_config([*overrides, "deepspeed=z0"])
-    ds = build_ds_config(
-        compose_plain([*overrides, "deepspeed=z0"]),
-        world_size=8,
-        hidden_size=4096,
-        device=Device("cuda", bf16=True, fp16=True),
-    )
-    warning = plan.preflight(cfg, ds, 8)
+    cfg, spec = _planned([*overrides, "deepspeed=z0"], Device("cuda", bf16=True, fp16=True))
+    warning = plan.preflight(cfg, spec)
     assert warning is not None and "\n" not in warning
     assert warning.startswith("memory plan: deepspeed=z0 bf16 on 8 ranks needs about")
     assert "expected to fit: deepspeed=z1 precision=bf16" in warning
-    ds3 = build_ds_config(
-        compose_plain([*overrides, "deepspeed=z3"]),
-        world_size=8,
-        hidden_size=4096,
-        device=Device("cuda", bf16=True, fp16=True),
-    )
-    assert plan.preflight(compose_config([*overrides, "deepspeed=z3"]), ds3, 8) is None
+    assert plan.preflight(*_planned([*overrides, "deepspeed=z3"], Device("cuda", bf16=True, fp16=True))) is None
 
 
 def test_preflight_when_nothing_fits_says_what_to_lower(published):
@@ -376,17 +370,12 @@ def test_preflight_when_nothing_fits_says_what_to_lower(published):
         "plan.gpu_memory_gb=1",
         "precision=bf16",
     ]
-    ds = build_ds_config(
-        compose_plain(overrides), world_size=1, hidden_size=1536, device=Device("cuda", bf16=True, fp16=True)
-    )
-    warning = plan.preflight(compose_config(overrides), ds, 1)
+    warning = plan.preflight(*_planned(overrides, Device("cuda", bf16=True, fp16=True)))
     assert "no preset is expected to fit: lower train.micro_batch_size" in warning
 
 
 def test_preflight_of_the_built_in_job_is_silent():
-    cfg = compose_config([])
-    ds = build_ds_config(compose_plain([]), world_size=1, hidden_size=64, device=Device("cpu", bf16=True, fp16=False))
-    assert plan.preflight(cfg, ds, 1) is None
+    assert plan.preflight(*_planned([], Device("cpu", bf16=True, fp16=False))) is None
 
 
 @pytest.mark.slow
@@ -403,11 +392,6 @@ def test_python_m_launcher_plan_on_the_built_in_model(isolated_env):
     assert "model tiny_llava:" in result.stdout and "job: 2 rank(s)" in result.stdout
     assert "MiB per device" in result.stdout  # a tiny model's table is in MiB
     assert "recommendation: deepspeed=z0 precision=bf16" in result.stdout
-
-
-def test_unknown_precision_is_refused():
-    with pytest.raises(LauncherError, match=r"plan\.precisions: fp8 is unknown"):
-        plan.target_device(compose_config(["plan.precisions=[fp8]"]).plan)
 
 
 # ----------------------------------------------------------------------------- estimates vs DeepSpeed engines
@@ -445,13 +429,13 @@ def _validation_case(preset: str, dtype: str, freeze: bool, world_size: int) -> 
 def validation_model() -> tuple[str, Any]:
     """The tiny model built the way training builds it (its directory), and the composed config."""
     cfg = compose_config(VALIDATION_MODEL)
-    path = plan.model_dir(cfg)
+    path = model_stats.model_dir(cfg)
     return path, cfg
 
 
-def _estimated_states(path: str, case: dict[str, Any], world_size: int) -> plan.ModelStates:
+def _estimated_states(path: str, case: dict[str, Any], world_size: int) -> memory.ModelStates:
     cfg = compose_config(case["overrides"])
-    stats = plan.model_stats(cfg, path=path)
+    stats = model_stats.model_stats(cfg, path=path)
     layout = layout_from_ds_config(case["ds"], world_size=world_size, ranks_per_node=world_size)
     return estimate(stats, layout, seq_len=1).states
 
@@ -573,7 +557,7 @@ def test_activation_estimate_matches_what_autograd_saves(validation_model, dtype
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         model(**batch)
-    stats = plan.model_stats(cfg, path=path)
+    stats = model_stats.model_stats(cfg, path=path)
     estimated = activation_bytes(stats, Layout(stage=0, dtype=dtype, micro_batch=2), seq_len=64, images=1)
     # The formula also counts the logits' gradients in backward (s V (e + 4) bytes): not saved tensors.
     estimated_saved = estimated - 2 * 64 * stats.vocab_size * (BYTES[dtype] + 4)

@@ -71,11 +71,10 @@ def test_default_job_learns_and_its_saved_model_reloads(run_train, tmp_path):
 
     model = AutoModelForImageTextToText.from_pretrained(run_dir / "model")
     processor = AutoProcessor.from_pretrained(run_dir / "model")
-    from launcher.data import exact_match_accuracy
-    from launcher.train_loop import prepare_data
+    from launcher.data import exact_match_accuracy, prepare_data
 
     run_cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
-    _, eval_file, image_root = prepare_data(run_cfg, ROOT / "outputs" / "cache")  # the run's cached data
+    _, eval_file, image_root = prepare_data(run_cfg.data, ROOT / "outputs" / "cache")  # the run's cached data
     records, _ = load_records(eval_file, image_root)
 
     correct, total = exact_match_accuracy(model, processor, ConversationDataset(records), max_new_tokens=4)

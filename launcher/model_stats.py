@@ -1,0 +1,152 @@
+"""What the memory estimates need to know about a model, read from its config without its weights.
+
+The model is built on the meta device from its config (a shipped preset's, a local directory's, a
+tiny build's), its parameters are counted per component with the configured freezing, and its
+shapes (hidden sizes, layers, image tokens) are collected into a `ModelStats`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from launcher.errors import LauncherError, one_line
+from launcher.memory import ModelStats, TransformerDims
+
+
+def model_dir(cfg: DictConfig) -> str:
+    """The directory or hub id whose config.json describes the model `train.py` would train.
+
+    A tiny model is built the way the training path builds it (from the data's vocabulary, cached
+    under cache_dir), so its vocabulary, and with it its parameter count, is the one training uses.
+    """
+    model = cfg.model
+    if model.source == "pretrained":
+        if not model.path:
+            raise LauncherError(f"model.path is empty for model={model.name}: give a hub id or a local directory")
+        return str(model.path)
+    from launcher.data import load_records, prepare_data
+    from launcher.models import resolve_model_path
+
+    cache = Path(cfg.cache_dir).expanduser().absolute()
+    train_file, eval_file, image_root = prepare_data(cfg.data, cache)
+    records, _ = load_records(train_file, image_root, on_bad_record=cfg.data.on_bad_record)
+    if eval_file is not None:
+        records += load_records(eval_file, image_root, on_bad_record=cfg.data.on_bad_record)[0]
+    return resolve_model_path(model, int(cfg.train.seed), cache, records)
+
+
+def model_stats(cfg: DictConfig, *, path: str | None = None) -> ModelStats:
+    """Build the model on the meta device from its config and count what the estimates need."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from launcher.models import apply_freeze, read_config
+
+    path = path or model_dir(cfg)
+    config = read_config(path)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(config)
+    except ValueError as err:
+        raise LauncherError(f"model.path={path}: not an image-text-to-text model ({one_line(err)})") from None
+    freeze = {
+        "vision": bool(cfg.model.freeze_vision),
+        "projector": bool(cfg.model.freeze_projector),
+        "language": bool(cfg.model.freeze_language),
+    }
+    counts = apply_freeze(model, **freeze)
+    try:
+        return _stats(cfg, config, model, counts, freeze)
+    except AttributeError as err:  # a config without the fields of the layouts known here
+        raise LauncherError(
+            f"model.path={path}: the memory planner does not know the layout of {type(config).__name__} ({err}); "
+            "set preflight=off to train without the estimate"
+        ) from None
+
+
+def _stats(cfg: DictConfig, config, model, counts: dict[str, int], freeze: dict[str, bool]) -> ModelStats:
+    largest = max(sum(p.numel() for p in module.parameters(recurse=False)) for module in model.modules())
+    names = [name for name, _ in model.named_modules()]
+
+    def gated(*parts: str) -> bool:
+        return any(name.endswith("gate_proj") and any(part in name for part in parts) for name in names)
+
+    text_config = config.get_text_config()
+    heads = text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    text = TransformerDims(
+        hidden=text_config.hidden_size,
+        layers=text_config.num_hidden_layers,
+        intermediate=text_config.intermediate_size,
+        kv_width=(getattr(text_config, "num_key_value_heads", None) or heads) * head_dim,
+        gated=gated("language_model"),
+    )
+    vision_config = config.vision_config
+    vision_hidden = getattr(vision_config, "embed_dim", None) or vision_config.hidden_size
+    vision = TransformerDims(
+        hidden=vision_hidden,
+        layers=getattr(vision_config, "num_hidden_layers", None) or vision_config.depth,
+        intermediate=getattr(vision_config, "intermediate_size", None) or int(vision_config.mlp_ratio * vision_hidden),
+        gated=gated("visual", "vision_tower"),
+    )
+    vision_tokens, image_tokens, merge = _image_tokens(cfg, config)
+    return ModelStats(
+        name=str(cfg.model.name),
+        total=counts["total"],
+        trainable=counts["trainable"],
+        components={key: counts[key] for key in ("vision", "projector", "language")},
+        frozen=tuple(name for name, frozen in freeze.items() if frozen),
+        largest_layer=int(largest),
+        param_sizes=tuple(int(p.numel()) for p in model.parameters()),
+        text=text,
+        vocab_size=int(text_config.vocab_size),
+        vision=vision,
+        vision_tokens=vision_tokens,
+        image_tokens=image_tokens,
+        projector_width=2 * (vision_hidden * merge * merge + text.hidden),
+        load_bytes=_dtype_bytes(getattr(config, "dtype", None)),
+    )
+
+
+def _dtype_bytes(dtype: Any) -> int:
+    name = str(dtype or "float32").removeprefix("torch.")
+    return {"float16": 2, "bfloat16": 2, "half": 2}.get(name, 4)
+
+
+def _image_tokens(cfg: DictConfig, config) -> tuple[int, int, int]:
+    """(vision-tower tokens, language-model tokens, patch merge) for one image.
+
+    LLaVA: (image_size / patch)^2 patches, plus CLIP's class token in the tower; the "default"
+    feature strategy drops it again. Qwen2-VL (dynamic resolution): a square image of plan.image_size
+    pixels (default 448; a tiny model's own image size) rounded to whole merged patches; the merger
+    turns m x m patches into one language-model token.
+    """
+    vision_config = config.vision_config
+    patch = vision_config.patch_size
+    merge = getattr(vision_config, "spatial_merge_size", None)
+    if merge:
+        side = cfg.plan.image_size or (cfg.model.image_size if cfg.model.source == "tiny" else 448)
+        unit = patch * merge
+        patches = (max(1, round(side / unit)) * merge) ** 2
+        return patches, patches // (merge * merge), merge
+    patches = (vision_config.image_size // patch) ** 2
+    cls = 1 if str(getattr(vision_config, "model_type", "")).startswith("clip") else 0
+    strategy = getattr(config, "vision_feature_select_strategy", "default")
+    return patches + cls, patches + (cls if strategy == "full" else 0), 1
+
+
+def sequence(cfg: DictConfig, stats: ModelStats) -> tuple[int, int]:
+    """(language-model tokens per sample, images per sample).
+
+    plan.seq_len when set; else plan.text_tokens (default 512, or 32 for tiny models, whose built-in
+    conversations are about 15 text tokens) plus the image tokens of plan.images_per_sample images.
+    """
+    plan = cfg.plan
+    images = int(plan.images_per_sample)
+    if plan.seq_len:
+        return int(plan.seq_len), images
+    text = plan.text_tokens or (32 if cfg.model.source == "tiny" else 512)
+    return int(text) + images * stats.image_tokens, images

@@ -1,0 +1,686 @@
+"""The training recipe of one rank, top to bottom: setup, train_step, evaluate, save, finish.
+
+Every rank runs `train(cfg, run_dir)`. The job spec is read from `run_dir/job.json` and the DeepSpeed
+dict from `run_dir/ds_config.json`, the exact dict the launcher composed and validated. Rank 0 alone
+writes metrics, the summary, the final model and W&B records.
+
+    train ─ init_distributed ─ setup (data, model, engine, resume, logger)
+          └ for each step: train_step → evaluate (when due) → record → stop? → save (when due)
+          └ finish (final checkpoint, model/, summary)
+
+A new way to train (LoRA, gradient checkpointing) changes `setup_model` and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import random
+import resource
+import shutil
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from launcher import checkpoint
+from launcher.errors import LauncherError, TrainingFailed, one_line, record_rank_error
+from launcher.rundir import RunDir, Summary, read_json
+from launcher.schema import OBJECTIVES
+
+log = logging.getLogger("launcher")
+
+# Test hook: "RANK:STEP" makes that rank raise at that step (to test how a crashed rank is reported).
+FAULT_ENV = "LAUNCHER_TEST_FAULT"
+
+
+# ----------------------------------------------------------------------------- the rank
+@dataclass
+class Rank:
+    """This process's place in the job."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(cfg: DictConfig) -> Rank:
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    from launcher.ops import prepare_ops
+
+    _quiet_libraries()
+    prepare_ops(world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    accelerator = get_accelerator()
+    backend = str(cfg.dist.backend)
+    if backend == "auto":
+        backend = "nccl" if accelerator.device_name() == "cuda" else "gloo"
+    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=int(cfg.dist.timeout_s)))
+    device = torch.device("cpu")
+    if accelerator.device_name() == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    return Rank(torch.distributed.get_rank(), torch.distributed.get_world_size(), device)
+
+
+def _quiet_libraries() -> None:
+    """DeepSpeed logs every config key at INFO and torch warns about its own deprecations per call."""
+    import warnings
+
+    from deepspeed.utils import logger as deepspeed_logger
+
+    deepspeed_logger.setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    warnings.filterwarnings("ignore", category=FutureWarning, message=".*torch.distributed.*")
+
+
+def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def _barrier() -> None:
+    if torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
+
+
+# ----------------------------------------------------------------------------- what setup builds
+@dataclass
+class Data:
+    """The data streams of one rank."""
+
+    batches: Iterator[dict[str, Any]]  # training micro-batches, forever, from the resume position on
+    position: checkpoint.DataPosition  # what `batches` has handed out (saved in checkpoints)
+    eval_loader: Any | None
+    accuracy_set: Any | None  # this rank's share of the exact-match samples
+    records_skipped: int
+
+
+@dataclass
+class Throughput:
+    """Samples and tokens per second over the measured steps (the first few warm up allocators and JIT)."""
+
+    skip_steps: int
+    seconds: float = 0.0
+    samples: float = 0.0
+    tokens: float = 0.0
+
+    def add(self, step: int, seconds: float, samples: float, tokens: float) -> None:
+        if step > self.skip_steps:
+            self.seconds += seconds
+            self.samples += samples
+            self.tokens += tokens
+
+    def per_second(self, what: float) -> float | None:
+        return what / self.seconds if self.seconds else None
+
+
+@dataclass
+class Session:
+    """Everything `setup` builds and the steps use."""
+
+    cfg: DictConfig
+    run_dir: RunDir
+    job: dict[str, Any]
+    rank: Rank
+    summary: Summary
+    engine: Any = None
+    scheduler: Any = None
+    dtype: torch.dtype = torch.float32
+    processor: Any = None
+    data: Data | None = None
+    logger: Any = None  # the W&B run of rank 0
+    stop: checkpoint.StopRequest | None = None
+    progress: Any = None
+    start_step: int = 0
+    checkpoint_meta: dict[str, Any] = field(default_factory=dict)
+    throughput: Throughput = field(default_factory=lambda: Throughput(0))
+    last_loss: float = math.nan
+    nonfinite_in_a_row: int = 0
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+
+    @property
+    def micro(self) -> int:
+        return int(self.engine.train_micro_batch_size_per_gpu())
+
+    @property
+    def accum(self) -> int:
+        return int(self.engine.gradient_accumulation_steps())
+
+
+# ----------------------------------------------------------------------------- the run
+def train(cfg: DictConfig, run_dir: Path) -> Summary:
+    """Train one rank of the job planned in `run_dir`; returns the summary (rank 0's is written)."""
+    directory = RunDir(Path(run_dir))
+    session: Session | None = None
+    summary = Summary()
+    rank = 0
+    try:
+        place = init_distributed(cfg)
+        rank = place.rank
+        job = read_json(directory.job)
+        summary = Summary.for_job(job)
+        if place.world_size != job["world_size"]:
+            raise LauncherError(
+                f"{place.world_size} ranks started, but the job was planned for world size {job['world_size']} "
+                f"(dist.nnodes={cfg.dist.nnodes} x dist.nproc_per_node={cfg.dist.nproc_per_node}): make them agree"
+            )
+        if place.is_main:
+            _setup_rank0_log(directory)
+            directory.write_summary(summary)
+        session = Session(cfg=cfg, run_dir=directory, job=job, rank=place, summary=summary)
+        setup(session)
+        stopped_at = None
+        for step in range(session.start_step + 1, int(cfg.train.max_steps) + 1):
+            metrics = train_step(session, step)
+            if evaluation_due(cfg, step):
+                metrics.update(evaluate(session))
+            record(session, step, metrics)
+            if session.stop.agreed(place.device) and step < int(cfg.train.max_steps):
+                stopped_at = step
+                break
+            if cfg.train.save_every and step % cfg.train.save_every == 0 and step < int(cfg.train.max_steps):
+                save(session, step)
+        return finish(session, stopped_at)
+    except BaseException as err:
+        raise _failed(err, directory, rank, summary, session) from err
+    finally:
+        # Without this, rank 0 aborts at exit ("terminate called without an active exception").
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _failed(err: BaseException, run_dir: RunDir, rank: int, summary: Summary, session: Session | None) -> BaseException:
+    """Record how this rank failed (errors/, rank 0's summary and W&B run); the exception to raise."""
+    status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+    message = one_line(err)
+    if not isinstance(err, LauncherError):
+        message = f"{type(err).__name__}: {message}"
+    started = session.started if session else time.time()
+    summary.status, summary.error, summary.wall_s = status, message, round(time.time() - started, 3)
+    exit_code = err.exit_code if isinstance(err, LauncherError) else 1
+    trace_file = run_dir.errors / f"rank{rank}.txt"
+    # Best effort: on a full disk these writes fail too, and must not hide the error itself.
+    with contextlib.suppress(OSError):
+        trace_file = record_rank_error(run_dir.path, rank, message, exit_code, traceback.format_exc())
+    if rank == 0:
+        with contextlib.suppress(OSError):
+            run_dir.write_summary(summary)
+        if session is not None and session.logger is not None:
+            session.logger.finish(summary.to_json(), exit_code=1)
+    if isinstance(err, LauncherError | KeyboardInterrupt):
+        return err
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        log.exception("training failed on rank %d", rank)
+    return TrainingFailed(f"rank {rank}: {message} (traceback: {trace_file})")
+
+
+# ----------------------------------------------------------------------------- setup
+def setup(s: Session) -> None:
+    """Data, model, engine, resume, logger: everything the first step needs."""
+    cfg, rank = s.cfg, s.rank
+    ds_config = read_json(s.run_dir.ds_config)
+    _seed_everything(int(cfg.train.seed))
+    cache = Path(cfg.cache_dir).expanduser().absolute()
+    records, eval_records, skipped = load_data(cfg, cache, rank, micro=int(ds_config["train_micro_batch_size_per_gpu"]))
+    model, s.processor = setup_model(s, ds_config, cache, records + eval_records)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    import deepspeed
+
+    s.engine, _, _, s.scheduler = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config)
+    s.dtype = _engine_dtype(s.engine)
+    s.summary.zero_stage = s.engine.zero_optimization_stage()
+    s.summary.world_size = rank.world_size
+    s.summary.precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(s.dtype, "fp32")
+    s.summary.extra["params_held_per_rank"] = _params_held_per_rank(s.engine, rank.device)
+    s.data = setup_data(s, records, eval_records, skipped)
+    s.checkpoint_meta = {
+        "world_size": rank.world_size,
+        "zero_stage": s.summary.zero_stage,
+        "precision": s.summary.precision,
+        "model": s.job.get("model"),
+    }
+    resumed_rng = resume(s)
+    s.stop = checkpoint.StopRequest(s.run_dir.path)
+    s.logger = _start_logger(s, ds_config) if rank.is_main else None
+    s.progress = _Progress(rank.is_main, int(cfg.train.max_steps), int(cfg.train.log_every))
+    s.throughput = Throughput(skip_steps=min(5, int(cfg.train.max_steps) // 5))
+    if resumed_rng is not None:  # last: nothing in setup may draw from the restored generators
+        checkpoint.set_rng_state(resumed_rng)
+    s.engine.train()
+
+
+def load_data(cfg: DictConfig, cache: Path, rank: Rank, *, micro: int) -> tuple[list[dict], list[dict], int]:
+    """The train and eval records; rank 0 generates the built-in set first while the others wait."""
+    from launcher.data import load_records, prepare_data
+
+    if rank.is_main:
+        prepare_data(cfg.data, cache)
+    _barrier()
+    train_file, eval_file, image_root = prepare_data(cfg.data, cache)
+    records, skipped = load_records(train_file, image_root, on_bad_record=cfg.data.on_bad_record)
+    eval_records: list[dict[str, Any]] = []
+    if eval_file is not None:
+        eval_records, eval_skipped = load_records(eval_file, image_root, on_bad_record=cfg.data.on_bad_record)
+        skipped += eval_skipped
+    if rank.is_main:
+        log.info("data: %d train, %d eval records (%d bad records skipped)", len(records), len(eval_records), skipped)
+    if len(records) < micro * rank.world_size:
+        raise LauncherError(
+            f"data.path={train_file}: {len(records)} records, fewer than one global micro-batch "
+            f"({micro} x {rank.world_size} ranks)"
+        )
+    return records, eval_records, skipped
+
+
+def setup_model(s: Session, ds_config: dict[str, Any], cache: Path, records: list[dict]) -> tuple[Any, Any]:
+    """The model (frozen parts frozen) and its processor; a tiny model is built first, by rank 0."""
+    from launcher.models import apply_freeze, load_model_and_processor, resolve_model_path
+
+    cfg = s.cfg
+    if s.rank.is_main:
+        resolve_model_path(cfg.model, int(cfg.train.seed), cache, records)
+    _barrier()
+    model_path = resolve_model_path(cfg.model, int(cfg.train.seed), cache, records)
+    # At ZeRO-3 transformers must know the DeepSpeed config before the model is built, so that
+    # from_pretrained partitions the weights at construction instead of materialising them per rank.
+    hf_ds_config = None
+    if ds_config["zero_optimization"]["stage"] == 3:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841 (kept alive on purpose)
+    model, processor = load_model_and_processor(model_path)
+    # True when ZeRO-3 partitioned the weights while loading (zero.Init tags each parameter).
+    s.summary.extra["partitioned_at_load"] = any(hasattr(p, "ds_id") for p in model.parameters())
+    model.config.use_cache = False
+    counts = apply_freeze(
+        model,
+        vision=cfg.model.freeze_vision,
+        projector=cfg.model.freeze_projector,
+        language=cfg.model.freeze_language,
+    )
+    s.summary.extra.update({"params_total": counts["total"], "params_trainable": counts["trainable"]})
+    if s.rank.is_main:
+        log.info("model %s: %s", model_path, counts)
+    return model, processor
+
+
+def setup_data(s: Session, records: list[dict], eval_records: list[dict], skipped: int) -> Data:
+    """Loaders for training (resumable, sharded by rank), held-out loss and exact-match accuracy."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from launcher.data import Collator, ConversationDataset
+
+    cfg, rank, micro = s.cfg, s.rank, s.micro
+    train_set = ConversationDataset(records)
+    sampler = checkpoint.ResumableSampler(
+        train_set, num_replicas=rank.world_size, rank=rank.rank, shuffle=True, seed=int(cfg.train.seed)
+    )
+    workers = int(cfg.data.num_workers)
+    loader_args = {"num_workers": workers, "persistent_workers": workers > 0, "collate_fn": Collator(s.processor)}
+    train_loader = DataLoader(train_set, batch_size=micro, sampler=sampler, drop_last=True, **loader_args)
+    eval_loader = accuracy_set = None
+    if eval_records:
+        eval_set = ConversationDataset(eval_records)
+        eval_sampler = DistributedSampler(eval_set, num_replicas=rank.world_size, rank=rank.rank, shuffle=False)
+        eval_loader = DataLoader(eval_set, batch_size=micro, sampler=eval_sampler, **loader_args)
+        if cfg.data.eval_accuracy:
+            # The same number of samples per rank: under ZeRO-3 the ranks' generate calls run in lock-step.
+            usable = min(int(cfg.data.eval_samples), len(eval_records)) // rank.world_size * rank.world_size
+            accuracy_set = ConversationDataset(eval_records[:usable][rank.rank :: rank.world_size])
+    position = checkpoint.DataPosition()
+    batches = checkpoint.batches(train_loader, sampler, position, micro)
+    return Data(batches, position, eval_loader, accuracy_set, skipped)
+
+
+def resume(s: Session) -> dict[str, Any] | None:
+    """Continue from the checkpoint job.json names: weights, optimizer, scheduler and loss scaler from
+    DeepSpeed's files; data position and random-number state from this rank's own file. metrics.jsonl
+    forgets the steps after the checkpoint (they are trained again). Returns the saved random state."""
+    tag = s.job.get("resume_tag")
+    if not tag:
+        return None
+    s.start_step, position, rng = checkpoint.load(s.engine, s.run_dir.path, tag)
+    s.data.position.epoch, s.data.position.batches = position.epoch, position.batches
+    s.summary.extra["resumed_from_step"] = s.start_step
+    if s.rank.is_main:
+        checkpoint.truncate_metrics(s.run_dir.path, s.start_step)
+        log.info("resumed from %s at step %d", s.run_dir.checkpoints / tag, s.start_step)
+    return rng
+
+
+# ----------------------------------------------------------------------------- one step
+def train_step(s: Session, step: int) -> dict[str, float]:
+    """One optimizer step over `accum` micro-batches; returns its metrics (the loss averaged over ranks)."""
+    engine, device = s.engine, s.rank.device
+    step_start = time.perf_counter()
+    wait = loss_sum = tokens = 0.0
+    grad_norm = math.nan
+    for _ in range(s.accum):
+        fetch_start = time.perf_counter()
+        batch = next(s.data.batches)
+        wait += time.perf_counter() - fetch_start
+        tokens += float(batch["attention_mask"].sum())
+        loss = engine(**_to_device(batch, device, s.dtype)).loss
+        engine.backward(loss)
+        if engine.is_gradient_accumulation_boundary():
+            grad_norm = _unpartitioned_grad_norm(engine)
+        engine.step()
+        loss_sum += float(loss.detach())
+    _inject_fault(s.rank.rank, step)
+    loss_sum, tokens = _all_reduce_sum([loss_sum, tokens], device)
+    step_loss = loss_sum / (s.accum * s.rank.world_size)
+    _check_finite(s, step, step_loss)
+    step_time = time.perf_counter() - step_start
+    samples = s.micro * s.accum * s.rank.world_size
+    s.throughput.add(step, step_time, samples, tokens)
+    s.last_loss = step_loss
+    metrics = {
+        "train/loss": step_loss,
+        "train/lr": float(s.scheduler.get_last_lr()[0]) if s.scheduler else float(engine.get_lr()[0]),
+        "train/grad_norm": _grad_norm(engine, grad_norm),
+        "perf/samples_per_sec": samples / step_time,
+        "perf/tokens_per_sec": tokens / step_time,
+        "perf/step_time_s": step_time,
+        "perf/data_wait_frac": wait / step_time,
+        "mem/peak_bytes": _peak_memory_bytes(device),
+    }
+    if s.dtype == torch.float16:
+        metrics["train/loss_scale"] = float(getattr(engine.optimizer, "cur_scale", math.nan))
+    return metrics
+
+
+def _check_finite(s: Session, step: int, loss: float) -> None:
+    """Stop on a non-finite loss, unless fp16's loss scaler skipped that update (within the budget)."""
+    s.nonfinite_in_a_row = 0 if math.isfinite(loss) else s.nonfinite_in_a_row + 1
+    allowed = int(s.cfg.train.max_nonfinite_steps)
+    if nonfinite_action(loss, s.dtype == torch.float16, s.nonfinite_in_a_row, allowed) != "stop":
+        return
+    saved = checkpoint.find_resume_tag(s.run_dir.checkpoints)
+    raise TrainingFailed(
+        f"loss is {loss} at step {step}: lower train.lr, use precision=bf16 instead of fp16, or check the data"
+        + (f"; checkpoint {saved}, saved before it, resumes with resume={s.run_dir.path}" if saved else "")
+    )
+
+
+def nonfinite_action(loss: float, fp16: bool, in_a_row: int, allowed: int) -> str:
+    """What a step's loss means for the run: "ok", "skip" (fp16, whose loss scaler skipped the update), "stop".
+
+    fp32 and bf16 have no loss scaler: a non-finite loss means the update was applied and the weights
+    are spoiled, so the run stops at once (naming the step) and the last checkpoint stays the good one."""
+    if math.isfinite(loss):
+        return "ok"
+    return "skip" if fp16 and in_a_row <= allowed else "stop"
+
+
+def _inject_fault(rank: int, step: int) -> None:
+    if os.environ.get(FAULT_ENV) and tuple(int(part) for part in os.environ[FAULT_ENV].split(":")) == (rank, step):
+        raise RuntimeError(f"fault injected by {FAULT_ENV} on rank {rank} at step {step}")
+
+
+def record(s: Session, step: int, metrics: dict[str, float]) -> None:
+    """Metrics to metrics.jsonl and W&B (rank 0), and the progress line."""
+    if s.rank.is_main:
+        s.run_dir.append_metrics({"step": step, **metrics})
+        if s.logger is not None:
+            s.logger.log(metrics, step=step)
+    s.progress.update(step, metrics)
+
+
+# ----------------------------------------------------------------------------- evaluation
+def evaluation_due(cfg: DictConfig, step: int) -> bool:
+    every = int(cfg.train.eval_every)
+    return bool(every and step % every == 0) or step == int(cfg.train.max_steps)
+
+
+@torch.no_grad()
+def evaluate(s: Session) -> dict[str, float]:
+    """Held-out loss (and exact-match accuracy when data.eval_accuracy), averaged over ranks."""
+    from launcher.data import exact_match_accuracy
+
+    if s.data.eval_loader is None:  # no held-out data given
+        return {}
+    engine, device = s.engine, s.rank.device
+    engine.eval()
+    loss_sum, count = 0.0, 0.0
+    for batch in s.data.eval_loader:
+        outputs = engine(**_to_device(batch, device, s.dtype))
+        loss_sum += float(outputs.loss) * batch["input_ids"].shape[0]
+        count += batch["input_ids"].shape[0]
+    total_loss, total_count = _all_reduce_sum([loss_sum, count], device)
+    metrics = {"eval/loss": total_loss / max(total_count, 1.0)}
+    if s.data.accuracy_set is not None:
+        stage3 = engine.zero_optimization_stage() == 3
+        correct, total = exact_match_accuracy(
+            engine.module,
+            s.processor,
+            s.data.accuracy_set,
+            max_new_tokens=int(s.cfg.data.max_new_tokens),
+            synced_gpus=stage3 and s.rank.world_size > 1,
+        )
+        correct, total = _all_reduce_sum([correct, total], device)
+        metrics["eval/accuracy"] = correct / max(total, 1.0)
+    engine.train()
+    s.eval_metrics = metrics
+    if s.rank.is_main and metrics:
+        log.info("eval: %s", {k: round(v, 4) for k, v in metrics.items()})
+    return metrics
+
+
+# ----------------------------------------------------------------------------- saving and finishing
+def save(s: Session, step: int) -> None:
+    """A resumable checkpoint of this step (collective: every rank calls it)."""
+    keep = int(s.cfg.train.keep_checkpoints)
+    checkpoint.save(s.engine, s.run_dir.path, step, s.data.position, s.checkpoint_meta, keep=keep)
+
+
+def finish(s: Session, stopped_at: int | None) -> Summary:
+    """The last checkpoint, the final model (unless stopped early), and the summary."""
+    s.progress.close()
+    steps_done = stopped_at or int(s.cfg.train.max_steps)
+    if steps_done > s.start_step:  # a resume of a finished run has nothing new to save
+        save(s, steps_done)
+    if stopped_at is None:
+        _save_model(s.engine, s.processor, s.run_dir.model, s.rank.is_main)
+    elif s.rank.is_main:
+        log.info("stopped after step %d on %s; resume with resume=%s", steps_done, s.stop.reason(), s.run_dir.path)
+    summary, throughput = s.summary, s.throughput
+    summary.status = "completed" if stopped_at is None else "preempted"
+    summary.steps = steps_done
+    summary.wall_s = round(time.time() - s.started, 3)
+    summary.final_loss = s.last_loss
+    summary.eval_loss = s.eval_metrics.get("eval/loss")
+    summary.eval_accuracy = s.eval_metrics.get("eval/accuracy")
+    summary.samples_per_sec = throughput.per_second(throughput.samples)
+    summary.tokens_per_sec = throughput.per_second(throughput.tokens)
+    summary.peak_memory_bytes = _peak_memory_bytes(s.rank.device)
+    summary.extra["records_skipped"] = s.data.records_skipped
+    summary.objective = getattr(summary, OBJECTIVES[str(s.cfg.objective)])
+    if s.rank.is_main:
+        s.run_dir.write_summary(summary)
+        if s.logger is not None:
+            s.logger.finish(summary.to_json(), exit_code=0)
+        _print_final_table(summary, s.run_dir)
+    return summary
+
+
+def _save_model(engine: Any, processor: Any, out: Path, is_main: bool) -> None:
+    """The final model and processor in Hugging Face format, loadable by plain transformers.
+
+    At ZeRO-3 the partitioned weights are gathered first (every rank takes part)."""
+    state_dict = None
+    if engine.zero_optimization_stage() == 3:
+        state_dict = engine._zero3_consolidated_16bit_state_dict()
+    if is_main:
+        # Written next to it and renamed: a failed export (disk full) leaves no model/ that looks complete.
+        partial = out.with_name(f".{out.name}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        try:
+            with checkpoint.write_failures_reported(out, what="the final model"):
+                engine.module.save_pretrained(partial, state_dict=state_dict)
+                processor.save_pretrained(partial)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        shutil.rmtree(out, ignore_errors=True)  # a resumed run that had finished before
+        os.replace(partial, out)
+    _barrier()
+
+
+# ----------------------------------------------------------------------------- helpers
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _peak_memory_bytes(device: torch.device) -> int:
+    """CUDA max allocated on a GPU; the process's peak resident set size on a CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def _to_device(batch: dict[str, Any], device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """Move tensors to the device; floating inputs (pixels) take the engine's training dtype."""
+    moved = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            value = value.to(device, non_blocking=True)
+            if value.is_floating_point():
+                value = value.to(dtype)
+        moved[key] = value
+    return moved
+
+
+def _engine_dtype(engine: Any) -> torch.dtype:
+    if engine.bfloat16_enabled():
+        return torch.bfloat16
+    if engine.fp16_enabled():
+        return torch.float16
+    return torch.float32
+
+
+def _unpartitioned_grad_norm(engine: Any) -> float:
+    """Gradient norm at ZeRO stage 0 in fp32, where DeepSpeed clips but does not keep the norm.
+
+    Gradients are already all-reduced at the accumulation boundary, so the local norm is global.
+    One fused per-tensor norm call: a Python loop over the parameters cost ~1% of a tiny model's step."""
+    if engine.zero_optimization_stage() != 0 or _engine_dtype(engine) != torch.float32:
+        return math.nan
+    grads = [p.grad.detach() for p in engine.module.parameters() if p.grad is not None]
+    if not grads:
+        return math.nan
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)), dtype=torch.float64))
+
+
+def _grad_norm(engine: Any, fallback: float) -> float:
+    norm = engine.get_global_grad_norm()
+    if norm is None:
+        return fallback
+    return float(norm.item() if isinstance(norm, torch.Tensor) else norm)
+
+
+def _params_held_per_rank(engine: Any, device: torch.device) -> list[int]:
+    """Parameter elements each rank holds: its ZeRO-3 partition, or everything below stage 3."""
+    held = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in engine.module.parameters())
+    counts = torch.zeros(torch.distributed.get_world_size(), dtype=torch.int64, device=device)
+    counts[torch.distributed.get_rank()] = held
+    if torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(counts)
+    return [int(c) for c in counts.tolist()]
+
+
+class _Progress:
+    """A progress bar on a terminal; plain periodic log lines otherwise (CI, SLURM logs)."""
+
+    def __init__(self, enabled: bool, total: int, log_every: int) -> None:
+        self.log_every = log_every
+        self.total = total
+        self.bar = None
+        self.enabled = enabled
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="train", dynamic_ncols=True)
+
+    def update(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        text = f"loss {metrics['train/loss']:.4f} | {metrics['perf/samples_per_sec']:.1f} samples/s"
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(text)
+        elif step % self.log_every == 0 or step == 1:
+            log.info("step %d/%d | %s | lr %.2e", step, self.total, text, metrics["train/lr"])
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _setup_rank0_log(run_dir: RunDir) -> None:
+    """train.log and the console for rank 0 (Hydra sets this up in-process; torchrun ranks do not)."""
+    root = logging.getLogger()
+    if not any(isinstance(h, logging.FileHandler) for h in root.handlers):
+        handler = logging.FileHandler(run_dir.train_log)
+        handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        root.addHandler(handler)
+        console = logging.StreamHandler()
+        console.setFormatter(logging.Formatter("[%(asctime)s][%(levelname)s] %(message)s"))
+        root.addHandler(console)
+    root.setLevel(logging.INFO)
+
+
+def _print_final_table(summary: Summary, run_dir: RunDir) -> None:
+    rows = [
+        ("status", summary.status),
+        ("steps", summary.steps),
+        ("final loss", summary.final_loss),
+        ("eval loss", summary.eval_loss),
+        ("eval accuracy", summary.eval_accuracy),
+        ("samples/s", summary.samples_per_sec),
+        ("peak memory", f"{(summary.peak_memory_bytes or 0) / 2**20:.0f} MiB"),
+        ("wall time", f"{summary.wall_s:.1f} s"),
+        ("run dir", str(run_dir.path)),
+        ("model", str(run_dir.model)),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"  {name:<{width}}  {round(v, 4) if isinstance(v, float) else v}" for name, v in rows]
+    print("\n".join(["", "run summary", *lines]), flush=True)
+
+
+def _start_logger(s: Session, ds_config: dict[str, Any]) -> Any:
+    """The W&B run of rank 0 (None when logger=none or W&B is disabled)."""
+    if not s.cfg.logger.enabled:
+        return None
+    from launcher import wandb_logger
+
+    return wandb_logger.start_for_job(
+        cfg=OmegaConf.to_container(s.cfg, resolve=True, enum_to_str=True),
+        run_dir=s.run_dir.path,
+        job=s.job,
+        ds_config=ds_config,
+        summary=s.summary.to_json(),
+        # A resume continues the W&B run whose id the first start stored in the run directory.
+        resume_id=wandb_logger.read_run_id(s.run_dir.path) if s.job.get("resume_tag") else None,
+    )
