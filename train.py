@@ -33,7 +33,7 @@ def main(cfg: DictConfig) -> float | None:
 if __name__ == "__main__":
     # A resume is composed from the old run's command line and runs in the old run's directory.
     if (resumed := resumed_run_dir(sys.argv)) is not None:
-        from launcher.resume import main as resume
+        from launcher.entry import run_resumed
 
-        sys.exit(resume(resumed, sys.argv))
+        sys.exit(run_resumed(resumed, sys.argv))
     main()

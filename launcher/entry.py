@@ -184,7 +184,7 @@ def run_job(
     hydra = hydra or HydraJob.from_hydra()
     run_dir = RunDir(hydra.run_dir)
     if slurm_global_rank(cfg) not in (None, 0):
-        return _follow_rank_zero(cfg, run_dir)
+        return None if cfg.dry_run else _follow_rank_zero(cfg, run_dir)
     started = time.time()
     accepted = False
     try:
@@ -248,8 +248,6 @@ def _follow_rank_zero(cfg: DictConfig, run_dir: RunDir) -> float | None:
     while time.time() < deadline:
         job = _read_optional_json(run_dir.job)
         if job is not None and job.get("launch_id") == wanted:
-            if cfg.dry_run:
-                return None
             summary = train_as_slurm_task(cfg, run_dir.path, int(job["world_size"]))
             return math.nan if summary.objective is None else float(summary.objective)
         failure = _read_optional_json(run_dir.errors / "rank0.json")
@@ -271,3 +269,20 @@ def _read_optional_json(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def run_resumed(run_dir: Path, argv: list[str]) -> int:
+    """`train.py resume=...`: compose the continued job (launcher.resume) and run it; the exit code."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from launcher.resume import compose_resumed
+
+    try:
+        resumed = compose_resumed(run_dir, argv)
+    except (HydraException, OmegaConfBaseException) as err:
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return 1
+    os.environ.update({str(k): str(v) for k, v in (resumed.hydra_cfg.job.env_set or {}).items()})
+    run_job(resumed.cfg, resumed.job, on_accept=resumed.write_hydra_files)
+    return 0

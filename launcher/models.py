@@ -450,7 +450,7 @@ def shipped_config_dir(path_or_hub_id: str) -> Path | None:
 
 
 def is_hub_id(path: str) -> bool:
-    """"org/name", as the hub spells ids (a path like /models/x or ./x is a local directory)."""
+    """ "org/name", as the hub spells ids (a path like /models/x or ./x is a local directory)."""
     return path.count("/") == 1 and not path.startswith((".", "/", "~"))
 
 

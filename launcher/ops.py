@@ -40,7 +40,8 @@ def prepare_ops(*, world_size: int) -> None:
 
     def announced_jit_load(self: OpBuilder, verbose: bool = True):
         if not op_is_built(self.name):
-            log.warning("building DeepSpeed op %s, one time, about a minute (cached in %s)", self.name, extensions_dir())
+            where = extensions_dir()
+            log.warning("building DeepSpeed op %s, one time, about a minute (cached in %s)", self.name, where)
         return build(self, verbose)
 
     OpBuilder.jit_load = announced_jit_load

@@ -172,13 +172,12 @@ def train(cfg: DictConfig, run_dir: Path) -> Summary:
     """Train one rank of the job planned in `run_dir`; returns the summary (rank 0's is written)."""
     directory = RunDir(Path(run_dir))
     session: Session | None = None
-    summary = Summary()
+    job = read_json(directory.job)
+    summary = Summary.for_job(job)
     rank = 0
     try:
         place = init_distributed(cfg)
         rank = place.rank
-        job = read_json(directory.job)
-        summary = Summary.for_job(job)
         if place.world_size != job["world_size"]:
             raise LauncherError(
                 f"{place.world_size} ranks started, but the job was planned for world size {job['world_size']} "

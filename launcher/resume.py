@@ -13,7 +13,6 @@ files written, so a refused `resume=DIR deepspeed=z2` leaves the run as it was.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,23 +119,3 @@ def compose_resumed(run_dir: Path, argv: Sequence[str]) -> ResumedJob:
         group=f"run-{run_dir.parent.name}-{run_dir.name}",
     )
     return ResumedJob(cfg=cfg, hydra_cfg=hydra_cfg, job=job)
-
-
-def main(run_dir: Path, argv: Sequence[str]) -> int:
-    """Run the continued job (what `train.py` does when it resumes); returns the exit code."""
-    import os
-
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from launcher.entry import run_job
-    from launcher.errors import one_line
-
-    try:
-        resumed = compose_resumed(run_dir, argv)
-    except (HydraException, OmegaConfBaseException) as err:
-        print(f"error: {one_line(err)}", file=sys.stderr)
-        return 1
-    os.environ.update({str(k): str(v) for k, v in (resumed.hydra_cfg.job.env_set or {}).items()})
-    run_job(resumed.cfg, resumed.job, on_accept=resumed.write_hydra_files)
-    return 0

@@ -115,7 +115,6 @@ def _launch(overrides: list[str], run_dir: Path):
     return launch(cfg, plan_job(cfg, HydraJob(run_dir=run_dir, overrides=tuple(overrides))))
 
 
-
 def test_torchrun_command_for_one_node_of_several():
     cfg = compose_config(["dist=torchrun", "dist.nnodes=4", "dist.nproc_per_node=8", "dist.node_rank=2"])
     command = torchrun_command(cfg, Path("/shared/run"), 29500)

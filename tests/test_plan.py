@@ -523,7 +523,8 @@ def test_estimate_matches_engine_world_size_2(validation_model, tmp_path, isolat
     env = {**isolated_env, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
-    held = [json.loads(line[len("PROBE ") :]) for line in result.stdout.splitlines() if line.startswith("PROBE ")]
+    lines = [line for out in sorted(tmp_path.glob("probe_rank*.txt")) for line in out.read_text().splitlines()]
+    held = [json.loads(line[len("PROBE ") :]) for line in lines if line.startswith("PROBE ")]
     assert len(held) == 2 * len(cases)
     failures = []
     for line in held:
@@ -622,7 +623,10 @@ def held_bytes(engine) -> dict[str, int]:
         return [t for name in names for t in _tensors(getattr(wrapper, name, None))]
 
     parameters = list(engine.module.parameters())
-    masters = attributes("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat")
+    # ZeRO 1-2, ZeRO-3, FP16_Optimizer (fused Adam at stage 0), FP16_UnfusedOptimizer (torch's AdamW at stage 0).
+    masters = attributes(
+        "single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat", "fp32_groups"
+    )
     held = {
         "params": size(
             [getattr(p, "ds_tensor", None) for p in parameters]
@@ -688,7 +692,8 @@ def probe(model_dir: str, case: dict[str, Any]) -> dict[str, int]:
 
 
 def _probe_main(argv: list[str]) -> int:
-    """torchrun entry: `-m tests.test_plan probe MODEL_DIR CASES.json`; prints one PROBE line per case."""
+    """torchrun entry: `-m tests.test_plan probe MODEL_DIR CASES.json`; one PROBE line per case, each rank's
+    into probe_rank<R>.txt beside CASES.json (two ranks printing to one pipe interleave their lines)."""
     import logging
 
     import deepspeed
@@ -698,12 +703,14 @@ def _probe_main(argv: list[str]) -> int:
     logger.setLevel(logging.WARNING)
     _, model_dir, cases_file = argv
     deepspeed.init_distributed(dist_backend="gloo")
+    out = Path(cases_file).parent / f"probe_rank{torch.distributed.get_rank()}.txt"
     try:
         for case in json.loads(Path(cases_file).read_text()):
             started = time.time()
             held = probe(model_dir, case)
             record = {"rank": torch.distributed.get_rank(), "name": case["name"], "held": held}
-            print("PROBE " + json.dumps({**record, "seconds": round(time.time() - started, 2)}), flush=True)
+            with open(out, "a") as handle:
+                handle.write("PROBE " + json.dumps({**record, "seconds": round(time.time() - started, 2)}) + "\n")
     finally:
         torch.distributed.destroy_process_group()
     return 0
