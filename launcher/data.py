@@ -266,11 +266,15 @@ def _check_record(raw: Any, where: str, image_root: Path) -> dict:
     placeholders = sum(turn["value"].count(IMAGE_PLACEHOLDER) for turn in turns)
     if placeholders > 1:
         raise LauncherError(f"{where}: '{IMAGE_PLACEHOLDER}' appears {placeholders} times; one image per record")
-    image_path = (image_root / image).resolve()
-    if image_path.is_dir():
-        raise LauncherError(f"{where}: image {image_path} is a directory, not an image file")
-    if not image_path.is_file():
-        raise LauncherError(f"{where}: image file {image_path} does not exist")
+    try:
+        image_path = (image_root / image).resolve()
+        if image_path.is_dir():
+            raise LauncherError(f"{where}: image {image_path} is a directory, not an image file")
+        if not image_path.is_file():
+            raise LauncherError(f"{where}: image file {image_path} does not exist")
+    except (OSError, RuntimeError) as error:  # a symlink loop (RuntimeError before Python 3.13), a name too long
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        raise LauncherError(f"{where}: image path {image_root / image} cannot be read ({reason})") from None
     return {
         "id": str(raw.get("id", where)),
         "image": str(image_path),

@@ -9,6 +9,7 @@ the fix. `launcher.validate` runs DeepSpeed's own pydantic models on the result 
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,27 @@ OWNERS: dict[str, str] = {
     "fp16": "precision",
     "bf16": "precision",
     **{key: "train" for key in (*BATCH_KEYS, "gradient_clipping", "optimizer", "scheduler")},
+}
+# What one train.* key named on the command line owns of a base JSON (paths as in `_fill_table`); a
+# `train=` choice owns all of OWNERS' "train" entries instead. Any other train.* key owns nothing there.
+TRAIN_KEY_OWNS: dict[str, tuple[str, ...]] = {
+    "train.micro_batch_size": ("train_micro_batch_size_per_gpu",),
+    "train.grad_accum": ("gradient_accumulation_steps",),
+    "train.global_batch_size": ("train_batch_size",),
+    "train.grad_clip": ("gradient_clipping",),
+    "train.lr": ("optimizer.params.lr", "scheduler.params.warmup_max_lr"),
+    "train.betas": ("optimizer.params.betas",),
+    "train.eps": ("optimizer.params.eps",),
+    "train.weight_decay": ("optimizer.params.weight_decay",),
+    "train.max_steps": ("scheduler.params.total_num_steps",),
+    "train.warmup_steps": ("scheduler.params.warmup_num_steps",),
+    "train.min_lr_ratio": ("scheduler.params.cos_min_ratio",),
+}
+# The train.* batch keys and the DeepSpeed keys they name, in the order a base JSON's values are kept.
+TRAIN_BATCH_KEYS = {
+    "micro_batch_size": "train_micro_batch_size_per_gpu",
+    "grad_accum": "gradient_accumulation_steps",
+    "global_batch_size": "train_batch_size",
 }
 # Blocks taken whole from the base when it has them: their params depend on their "type".
 ATOMIC_BLOCKS = ("optimizer", "scheduler")
@@ -188,6 +210,12 @@ def _check_train(train: Mapping[str, Any]) -> None:
     for key in non_negative:
         if train[key] < 0:
             raise LauncherError(f"train.{key}={train[key]} must not be negative")
+    for key in (*positive, *non_negative, "min_lr_ratio"):
+        if not math.isfinite(train[key]):
+            raise LauncherError(f"train.{key}={train[key]} must be a finite number")
+    betas = train["betas"]
+    if len(betas) != 2 or not all(0 <= beta < 1 for beta in betas):
+        raise LauncherError(f"train.betas={list(betas)} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
     if train["warmup_steps"] is not None and not 1 <= train["warmup_steps"] < train["max_steps"]:
         raise LauncherError(
             f"train.warmup_steps={train['warmup_steps']} must lie in [1, train.max_steps={train['max_steps']}) "
@@ -359,6 +387,16 @@ def _is_unset(value: Any) -> bool:
     return value is None or (isinstance(value, str) and value.lower() == "auto")
 
 
+def _owned_paths(explicit_groups: frozenset[str]) -> dict[str, str]:
+    """The base JSON's paths the command line replaces, each with the group or train.* key that owns it."""
+    owned = {path: group for path, group in OWNERS.items() if group in explicit_groups}
+    if "train" not in explicit_groups:
+        for key, paths in TRAIN_KEY_OWNS.items():
+            if key in explicit_groups:
+                owned.update(dict.fromkeys(paths, key))
+    return owned
+
+
 def _merge_onto_base(
     base: Mapping[str, Any],
     composed: dict[str, Any],
@@ -366,18 +404,21 @@ def _merge_onto_base(
     explicit_groups: frozenset[str],
     source: str,
 ) -> dict[str, Any]:
-    """Start from a user's DeepSpeed JSON: groups named on the command line replace what they own;
-    otherwise the composition only fills keys the base lacks or leaves "auto"/null."""
+    """Start from a user's DeepSpeed JSON: what the command line names replaces what it owns (a group
+    its keys, a train.* key only its own values); otherwise the composition only fills keys the base
+    lacks or leaves "auto"/null. The batch keys are the resolved ones (`_batch_givens` read the base's)."""
     merged = copy.deepcopy(dict(base))
-    for path, group in OWNERS.items():
-        if group in explicit_groups:
-            _delete(merged, path)
+    for path, owner in _owned_paths(explicit_groups).items():
+        if "." not in owner:
+            _delete(merged, path)  # a group: the composition fills it in again
+        elif _get(merged, path, "absent") != "absent":
+            _set(merged, path, copy.deepcopy(fill[path]))
+    _check_overrides_land(merged, composed, explicit_groups, source)
+    for key in BATCH_KEYS:
+        if key in merged:
+            merged[key] = composed[key]
     for block in ATOMIC_BLOCKS:
-        if block in merged:
-            if "train" in explicit_groups:  # train.lr etc. given on the command line win
-                for path, value in fill.items():
-                    if path.startswith(block + ".") and _get(merged, path, "absent") != "absent":
-                        _set(merged, path, copy.deepcopy(value))
+        if block in merged:  # taken whole: its params depend on its "type"
             composed = {key: value for key, value in composed.items() if key != block}
     for path, value in _leaves(composed):
         if _is_unset(_get(merged, path)):
@@ -388,6 +429,30 @@ def _merge_onto_base(
                 raise LauncherError(f'{source}: cannot fill "{value}" at {path}; set a value there or remove the key')
             _set(merged, path, copy.deepcopy(fill[path]))
     return merged
+
+
+def _check_overrides_land(
+    merged: Mapping[str, Any], composed: Mapping[str, Any], explicit_groups: frozenset[str], source: str
+) -> None:
+    """A train.* key that only sets optimizer or scheduler params must find one: the base's own
+    optimizer/scheduler block is kept whole, and a param it lacks would silently not be set.
+    (train.max_steps also ends the run, so it never changes nothing.)"""
+    if "train" in explicit_groups:
+        return
+    for key, paths in TRAIN_KEY_OWNS.items():
+        if key not in explicit_groups or key == "train.max_steps":
+            continue
+        if not all(path.split(".", 1)[0] in ATOMIC_BLOCKS for path in paths):
+            continue
+        tree_of = {path: merged if path.split(".", 1)[0] in merged else composed for path in paths}
+        if any(_get(tree_of[path], path, "absent") != "absent" for path in paths):
+            continue
+        block, name = paths[0].split(".", 1)[0], paths[0].rsplit(".", 1)[1]
+        raise LauncherError(
+            f"{key} would change nothing: the {block} of {source} (type {_get(merged, block + '.type')}) has no "
+            f'params.{name}; drop the override, or add "{name}": "auto" to its params (filled from {key}) if '
+            "that type takes it"
+        )
 
 
 def check_ds_config(ds: Mapping[str, Any], *, world_size: int, device: Device) -> None:
@@ -467,20 +532,131 @@ def check_ds_config(ds: Mapping[str, Any], *, world_size: int, device: Device) -
         raise LauncherError(f"gradient_clipping={clip} must be a non-negative number (0 disables clipping)")
 
 
+@dataclass(frozen=True)
+class _Given:
+    """One batch size to resolve and where it came from, so that an error can say so."""
+
+    value: Any
+    key: str  # train.micro_batch_size, ...
+    ds_key: str  # train_micro_batch_size_per_gpu, ...
+    origin: str  # "override" (named on the command line), "default" (the train node) or "file"
+    file: str = ""  # the base JSON, for origin "file"
+
+    def said(self, *, file_named: bool = False) -> str:
+        if self.origin == "override":
+            return f"{self.key}={self.value}"
+        if self.origin == "default":
+            return f"the default {self.key}={self.value}"
+        if file_named:
+            return f"the file's {self.ds_key}={self.value}"
+        return f"{self.ds_key}={self.value} (from {self.file})"
+
+    def subject(self) -> str:
+        """As the start of a sentence: a file's value names the file."""
+        return f"{self.file} sets {self.ds_key}={self.value}" if self.origin == "file" else self.said()
+
+
 def _batch_givens(
-    train: Mapping[str, Any], base: Mapping[str, Any] | None, explicit_groups: frozenset[str]
-) -> tuple[int | None, int | None, int | None]:
-    """(micro, accumulation, global) to resolve: the train node's, unless a base JSON fixes some of
-    them and no train.* override was given, in which case the base's concrete values decide."""
-    ours = (train["micro_batch_size"], train["grad_accum"], train["global_batch_size"])
-    if base is None or "train" in explicit_groups:
-        return ours
-    total, micro, accum = (None if _is_unset(base.get(key)) else base.get(key) for key in BATCH_KEYS)
-    if micro is None and accum is None and total is None:
-        return ours
-    if micro is None and (accum is None or total is None):
-        micro = ours[0]  # the base alone does not determine the batch: take our micro batch
+    train: Mapping[str, Any], base: Mapping[str, Any] | None, explicit_groups: frozenset[str], source: str
+) -> tuple[_Given, _Given, _Given]:
+    """(micro, accumulation, global) to resolve, each with where it came from.
+
+    Batch keys named on the command line win (a `train=` choice names all three). A base JSON's
+    concrete values fill the others: with none named, all of them (they must agree); else its micro
+    batch, then its accumulation, then its global batch, until two are known (the third is derived).
+    If the batch is still open, the train node's values fill in (its micro batch first)."""
+    named = {name for name in TRAIN_BATCH_KEYS if "train" in explicit_groups or f"train.{name}" in explicit_groups}
+    ours = {
+        name: _Given(train[name], f"train.{name}", ds_key, "override" if name in named else "default")
+        for name, ds_key in TRAIN_BATCH_KEYS.items()
+    }
+    files = {
+        name: _Given(base[ds_key], f"train.{name}", ds_key, "file", source)
+        for name, ds_key in TRAIN_BATCH_KEYS.items()
+        if base is not None and name not in named and not _is_unset(base.get(ds_key))
+    }
+    if not files:
+        return ours["micro_batch_size"], ours["grad_accum"], ours["global_batch_size"]
+    givens = {name: ours[name] for name in named}
+    for name, given in files.items():
+        if named and sum(g.value is not None for g in givens.values()) >= 2:
+            break
+        givens[name] = given
+    for name, given in ours.items():
+        if _determined(*(givens[n].value if n in givens else None for n in TRAIN_BATCH_KEYS)):
+            break
+        givens.setdefault(name, given)
+    unset = {name: _Given(None, given.key, given.ds_key, given.origin) for name, given in ours.items()}
+    micro, accum, total = ({**unset, **givens}[name] for name in TRAIN_BATCH_KEYS)
     return micro, accum, total
+
+
+def _determined(micro: Any, accum: Any, total: Any) -> bool:
+    """Whether (micro, accumulation, global) fix the batch: a micro batch alone means accumulation 1."""
+    return micro is not None or (accum is not None and total is not None)
+
+
+def _resolve_givens(givens: tuple[_Given, _Given, _Given], world_size: int) -> BatchSizes:
+    """`resolve_batch_sizes`, with errors that name where each number came from when a base JSON
+    gave some of them: the file's keys, the user's overrides and the defaults involved."""
+    micro, accum, total = givens
+    if world_size < 1 or all(given.origin != "file" for given in givens):
+        return resolve_batch_sizes(micro.value, accum.value, total.value, world_size)
+    for given in givens:
+        value = given.value
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            if given.origin == "file":
+                raise LauncherError(
+                    f'{given.file} sets {given.ds_key}={value}, which must be a positive integer (or "auto" to '
+                    f"derive it): fix it in the file, or set {given.key}"
+                )
+            raise LauncherError(f"{given.key}={value} must be a positive integer")
+    m, a, t = micro.value, accum.value, total.value
+    if m is not None and a is not None and t is not None and t != m * a * world_size:
+        if all(given.origin == "file" for given in givens):
+            fix = (
+                'set one of them to "auto" in the file (it is then derived), or override one with '
+                "train.global_batch_size, train.micro_batch_size or train.grad_accum"
+            )
+        else:
+            fix = _batch_fix(givens)
+        file_named = total.origin == "file"
+        raise LauncherError(
+            f"inconsistent batch sizes: {total.subject()}, but {micro.said(file_named=file_named)} x "
+            f"{accum.said(file_named=file_named)} x world size {world_size} = {m * a * world_size}: {fix}"
+        )
+    if t is not None and (m is None) != (a is None):
+        known = micro if m is not None else accum
+        if t % (known.value * world_size):
+            times = f" = {known.value * world_size}" if world_size > 1 else ""
+            raise LauncherError(
+                f"{total.subject()}{', which' if total.origin == 'file' else ''} is not divisible by "
+                f"{known.said(file_named=total.origin == 'file')} x world size {world_size}{times}: "
+                f"{_batch_fix((total, known))}"
+            )
+    if not _determined(m, a, t):
+        known = ", ".join(given.said() for given in givens if given.value is not None)
+        file = next(given.file for given in givens if given.origin == "file")
+        raise LauncherError(
+            f"batch size is underdetermined ({known}): give two of train.micro_batch_size, train.grad_accum and "
+            f"train.global_batch_size, or set them in {file}"
+        )
+    return resolve_batch_sizes(m, a, t, world_size)
+
+
+def _batch_fix(involved: tuple[_Given, ...]) -> str:
+    """What to change: a default the user never set, else the overrides and the file's keys involved."""
+    defaults = [given for given in involved if given.origin == "default"]
+    if defaults:
+        return "set " + " or ".join(f"{given.key} (or {given.ds_key} in the file)" for given in defaults)
+    options = [" or ".join(given.key for given in involved if given.origin == "override")]
+    files = [given for given in involved if given.origin == "file"]
+    if files:
+        options.append(
+            f"{' or '.join(given.ds_key for given in files)} in the file "
+            f"(or set {' or '.join(given.key for given in files)})"
+        )
+    return "change " + ", or ".join(option for option in options if option)
 
 
 def build_ds_config(
@@ -496,12 +672,13 @@ def build_ds_config(
     """The validated DeepSpeed dict for a composed config (as a plain dict).
 
     `hidden_size` is the language model's hidden size (for bucket sizes). `base` is a user's own
-    DeepSpeed JSON; `explicit_groups` are the groups named on the command line, which override it.
+    DeepSpeed JSON; `explicit_groups` (`explicit_groups_from_overrides`) are what the command line
+    names, which overrides it: a group what it owns (OWNERS), a train.* key its own values.
     """
     _check_train(cfg["train"])
     if base is not None:
         base = with_bf16_spelling(base, base_source)
-    batch = resolve_batch_sizes(*_batch_givens(cfg["train"], base, explicit_groups), world_size)
+    batch = _resolve_givens(_batch_givens(cfg["train"], base, explicit_groups, base_source), world_size)
     dtype = resolve_precision(cfg["precision"]["dtype"], device)
     composed = _composed(cfg, batch, dtype, hidden_size)
     if base is not None:
@@ -556,13 +733,19 @@ def with_bf16_spelling(tree: Mapping[str, Any], source: str) -> dict[str, Any]:
 
 
 def explicit_groups_from_overrides(overrides: list[str]) -> frozenset[str]:
-    """Groups the user named on the command line (a `deepspeed=` preset names zero and offload)."""
+    """Groups the user named on the command line (a `deepspeed=` preset names zero and offload).
+
+    A train.* override is named by its key ("train.lr"): it owns only its own values of a base JSON
+    (TRAIN_KEY_OWNS). "train" alone means the group itself was chosen (`train=...`)."""
     groups: set[str] = set()
     for override in overrides:
         key = override.split("=", 1)[0].lstrip("+~")
-        top = key.split(".", 1)[0].split("@", 1)[0]
+        top, _, rest = key.partition(".")
+        top = top.split("@", 1)[0]
         if top == "deepspeed":
             groups.update(("zero", "offload"))
+        elif top == "train" and rest:
+            groups.add("train." + rest.split(".", 1)[0].split("[", 1)[0])
         elif top in ("zero", "precision", "offload", "comm", "train"):
             groups.add(top)
     return frozenset(groups)

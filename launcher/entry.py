@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
 import time
 import traceback
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from launcher.errors import LauncherError, one_line, record_rank_error
+from launcher.errors import Interrupted, LauncherError, one_line, record_rank_error
 from launcher.job import HydraJob, JobSpec, plan_job
 from launcher.resume import argument, is_multirun, runs_a_job
 from launcher.rundir import RunDir, Summary, directory_problem, read_json, write_json_atomic
@@ -66,6 +67,9 @@ def check_output_dir_argument(argv: list[str] | None = None) -> None:
     if problem:
         print(f"error: {key}={value}: cannot create it ({problem}); choose a directory you can write", file=sys.stderr)
         sys.exit(LauncherError.exit_code)
+    if key == "hydra.run.dir" and value and value == fixed and _owns_run_dir(argv):
+        # Before Hydra writes its .hydra/ files there: a second job must not replace the first one's.
+        claim_or_exit(RunDir(Path(value).expanduser()), key, multirun=False)
     resume = argument(argv, "resume")
     if key == "hydra.run.dir" and value == fixed and value and resume in (None, "null", ""):
         # A new job in a finished (or crashed) run's directory would append to its metrics and leave
@@ -81,9 +85,30 @@ def check_output_dir_argument(argv: list[str] | None = None) -> None:
             sys.exit(LauncherError.exit_code)
 
 
+def _owns_run_dir(argv: list[str]) -> bool:
+    """Whether this process is the one that owns the run directory: not another node's launcher
+    (dist.node_rank > 0) nor a SLURM task other than the first; they share rank 0's directory."""
+    node_rank = argument(argv, "dist.node_rank")
+    return node_rank in (None, "0") and os.environ.get("SLURM_PROCID", "0") == "0"
+
+
+def claim_or_exit(run_dir: RunDir, key: str, *, multirun: bool) -> bool:
+    """Own the run directory, or say in one line that another job does (and leave its files alone)."""
+    problem = run_dir.claim()
+    if problem is None:
+        return True
+    print(
+        f"error: {key}={run_dir.path}: {problem}; wait for it to end, or choose another directory",
+        file=sys.stderr,
+    )
+    if multirun:
+        return False
+    sys.exit(LauncherError.exit_code)
+
+
 def resume_tag(cfg: DictConfig, spec: JobSpec) -> str | None:
     """The checkpoint tag this job resumes from (None: a fresh start); refuses an incompatible one."""
-    from launcher.checkpoint import find_resume_tag
+    from launcher.checkpoint import complete_tags, find_resume_tag
 
     if not cfg.resume:
         return None
@@ -96,7 +121,12 @@ def resume_tag(cfg: DictConfig, spec: JobSpec) -> str | None:
             f"resume={cfg.resume}: {wanted} is not a run directory (no .hydra/overrides.yaml); give the run "
             "directory of the run to continue"
         )
-    tag = find_resume_tag(run_dir.checkpoints)
+    tag = find_resume_tag(run_dir.checkpoints, warn=lambda line: print(f"warning: {line}", file=sys.stderr))
+    if tag is None and complete_tags(run_dir.checkpoints):  # never start afresh over damaged checkpoints
+        raise LauncherError(
+            f"resume={cfg.resume}: every checkpoint in {run_dir.checkpoints} is damaged (a file differs from "
+            "its size at save, named above); start a new run instead"
+        )
     if tag is None and cfg.resume != "auto":
         raise LauncherError(
             f"resume={cfg.resume}: no complete checkpoint in {run_dir.checkpoints} (the run saved none, "
@@ -127,6 +157,28 @@ def check_resumable(run_dir: RunDir, tag: str, spec: JobSpec) -> None:
             f"cannot resume {run_dir.checkpoints / tag}: the job differs from the one that saved it "
             f"({'; '.join(differences)}); resume with the same settings, or start a new run"
         )
+
+
+def already_finished(cfg: DictConfig, spec: JobSpec) -> Summary | None:
+    """The summary of a completed run that a resume would continue with nothing left to train.
+
+    A checkpoint past train.max_steps is refused: training would not run, and the summary would claim
+    fewer steps than the weights have seen."""
+    if spec.resume_tag is None:
+        return None
+    from launcher.checkpoint import read_marker
+
+    run_dir = RunDir(spec.hydra.run_dir)
+    step = int(read_marker(run_dir.checkpoints, spec.resume_tag)["step"])
+    if step > int(cfg.train.max_steps):
+        raise LauncherError(
+            f"train.max_steps={cfg.train.max_steps} is below step {step} of the checkpoint {spec.resume_tag} this "
+            f"resume continues: give train.max_steps={step} or more (or start a new run)"
+        )
+    summary = run_dir.read_summary()
+    if step == int(cfg.train.max_steps) and summary is not None and summary.status == "completed":
+        return summary
+    return None
 
 
 def check_inputs(cfg: DictConfig, spec: JobSpec, *, launching: bool) -> None:
@@ -185,13 +237,23 @@ def run_job(
     run_dir = RunDir(hydra.run_dir)
     if slurm_global_rank(cfg) not in (None, 0):
         return None if cfg.dry_run else _follow_rank_zero(cfg, run_dir)
+    if cfg.dist.node_rank == 0 and not claim_or_exit(run_dir, "hydra.run.dir", multirun=hydra.multirun):
+        return math.nan
     started = time.time()
     accepted = False
+    stop_during_start_up()
     try:
         spec = plan_job(cfg, hydra)
         check_inputs(cfg, spec, launching=not cfg.dry_run)
         check_memory(cfg, spec)
         spec = spec.with_resume(resume_tag(cfg, spec))
+        if (finished := already_finished(cfg, spec)) is not None:
+            print(
+                f"resume: {run_dir.path} already finished at step {finished.steps} (train.max_steps="
+                f"{cfg.train.max_steps}); nothing to train: raise train.max_steps to train further",
+                file=sys.stderr,
+            )
+            return math.nan if finished.objective is None else float(finished.objective)
         accepted = True
         if on_accept is not None:
             on_accept()
@@ -207,7 +269,7 @@ def run_job(
     except LauncherError as err:
         message = one_line(err)
         if accepted or on_accept is None:  # a refused resume leaves the run it would have continued as it was
-            _record_failure(cfg, run_dir, hydra, message, err.exit_code, started)
+            _record_failure(cfg, run_dir, hydra, err, started)
         print(f"error: {message}", file=sys.stderr)
         if hydra.multirun:
             # The sweep records the failure and goes on (it exits non-zero at the end); NaN marks
@@ -222,18 +284,31 @@ def run_job(
     return math.nan if summary.objective is None else float(summary.objective)
 
 
-def _record_failure(
-    cfg: DictConfig, run_dir: RunDir, hydra: HydraJob, message: str, exit_code: int, started: float
-) -> None:
+def _record_failure(cfg: DictConfig, run_dir: RunDir, hydra: HydraJob, err: LauncherError, started: float) -> None:
     """The failed summary, and (under SLURM) the record the other tasks wait on instead of a plan."""
     from launcher.processes import launch_id
 
+    message = one_line(err)
     job = {"overrides": list(hydra.overrides), "choices": dict(hydra.choices)}
     summary = run_dir.read_summary() or Summary.for_job(job)
-    summary.failed(message, wall_s=time.time() - started)
+    status = "interrupted" if isinstance(err, Interrupted) else "failed"
+    summary.failed(message, wall_s=time.time() - started, status=status)
     run_dir.write_summary(summary)
     if cfg.dist.launcher == "slurm":
-        record_rank_error(run_dir.path, 0, message, exit_code, traceback.format_exc(), launch=launch_id(cfg))
+        record_rank_error(run_dir.path, 0, message, err.exit_code, traceback.format_exc(), launch=launch_id(cfg))
+
+
+def stop_during_start_up() -> None:
+    """SIGTERM or SIGINT while the job is planned: stop with status "interrupted", no traceback.
+
+    Once the ranks run, the launcher passes these signals on to them as a stop request instead
+    (launcher.processes), and they stop at the next step boundary with a checkpoint."""
+
+    def interrupt(signum: int, _frame: object) -> None:
+        raise Interrupted(f"stopped by {signal.Signals(signum).name} before training started; start the job again")
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, interrupt)
 
 
 def _follow_rank_zero(cfg: DictConfig, run_dir: RunDir) -> float | None:
@@ -278,6 +353,7 @@ def run_resumed(run_dir: Path, argv: list[str]) -> int:
 
     from launcher.resume import compose_resumed
 
+    claim_or_exit(RunDir(run_dir), "resume", multirun=False)
     try:
         resumed = compose_resumed(run_dir, argv)
     except (HydraException, OmegaConfBaseException) as err:

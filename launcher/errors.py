@@ -22,6 +22,12 @@ class TrainingFailed(LauncherError):
     exit_code = 1
 
 
+class Interrupted(LauncherError):
+    """The job was stopped by a signal before training could stop cleanly: status "interrupted"."""
+
+    exit_code = 143  # 128 + SIGTERM, as a process ended by it reports; SIGINT (Ctrl-C) is treated alike
+
+
 def one_line(err: BaseException) -> str:
     """The line a user should see for an exception.
 

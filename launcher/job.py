@@ -163,8 +163,15 @@ def plan_job(
 
     `validate` also runs the checks that need this machine (NVMe paths) and DeepSpeed's own config
     models; the planner's what-if variants skip them."""
-    from launcher.validate import check_paths, detect_device, validate_with_deepspeed
+    from launcher.validate import (
+        check_knobs,
+        check_optimizer_and_scheduler,
+        check_paths,
+        detect_device,
+        validate_with_deepspeed,
+    )
 
+    check_knobs(cfg)
     world_size = world_size_of(cfg)
     device = device or detect_device()
     hidden_size = hidden_size or model_hidden_size(cfg.model)
@@ -182,6 +189,7 @@ def plan_job(
     if validate:
         check_paths(ds)
         validate_with_deepspeed(ds)
+        check_optimizer_and_scheduler(ds)
     return JobSpec(
         hydra=hydra,
         world_size=world_size,

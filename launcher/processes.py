@@ -13,6 +13,7 @@ as one line, instead of every rank's and the launcher's own tracebacks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -23,11 +24,11 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from launcher.errors import LauncherError, TrainingFailed, clear_rank_errors, first_rank_error
+from launcher.errors import Interrupted, LauncherError, TrainingFailed, clear_rank_errors, first_rank_error
 from launcher.job import JobSpec
 from launcher.rundir import RunDir, Summary
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -199,9 +200,9 @@ def slurm_rank_env(cfg: DictConfig) -> dict[str, str]:
 def launch(cfg: DictConfig, spec: JobSpec) -> Summary:
     """Train the job planned in its run directory; returns rank 0's summary.
 
-    One rank runs in this process, unless the job belongs to a sweep: DeepSpeed keeps process-group
-    state in module globals that a second job in the same process would trip over, and a crashing
-    job must not take the sweep down with it.
+    The ranks always run in child processes, and this process supervises them: whatever ends a rank
+    (an exception, a signal, the kernel's out-of-memory killer), this process is left to record how
+    the job ended in summary.json. The children die with it (PR_SET_PDEATHSIG), so none outlives it.
     """
     run_dir = spec.hydra.run_dir
     kind, nproc = cfg.dist.launcher, spec.ranks_per_node
@@ -217,11 +218,6 @@ def launch(cfg: DictConfig, spec: JobSpec) -> Summary:
         clear_rank_errors(run_dir)
     env = dict(os.environ)
     if kind == "local" and nproc == 1:
-        if not spec.hydra.multirun:
-            os.environ.update(_rank_env(0, 0, 1, 1, str(cfg.dist.master_addr), port))
-            from launcher.recipe import train
-
-            return train(cfg, run_dir)
         command = [sys.executable, "-m", "launcher.worker", str(run_dir)]
         env.update(_rank_env(0, 0, 1, 1, str(cfg.dist.master_addr), port))
     elif kind == "deepspeed":
@@ -265,6 +261,26 @@ def train_as_slurm_task(cfg: DictConfig, run_dir: Path, planned_world_size: int)
     return train(cfg, run_dir)
 
 
+def die_with_parent() -> None:
+    """In a child process: the kernel sends it SIGKILL when its parent dies (Linux; elsewhere nothing).
+
+    So a launcher killed by SIGKILL or the out-of-memory killer leaves no rank or data worker behind."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: no such call
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def _signal_name(returncode: int) -> str | None:
+    """The signal that ended a process: negative return codes (subprocess), or 128 + N (shells, torchrun)."""
+    number = -returncode if returncode < 0 else returncode - 128 if 128 < returncode < 160 else None
+    try:
+        return signal.Signals(number).name if number else None
+    except ValueError:
+        return None
+
+
 def _outcome(run_dir: Path, returncode: int, node_rank: int = 0) -> Summary:
     """Rank 0's summary when the ranks succeeded; else the first failing rank's error, as one exception."""
     summary = RunDir(run_dir).read_summary()
@@ -278,6 +294,15 @@ def _outcome(run_dir: Path, returncode: int, node_rank: int = 0) -> Summary:
         if first["exit_code"] == 2:  # a user's mistake (bad data, say): the same line as with one rank
             raise LauncherError(first["error"])
         raise TrainingFailed(f"rank {first['rank']}: {first['error']} (traceback: {first['traceback']})")
+    if summary is not None and summary.status == "interrupted":
+        raise Interrupted(summary.error or "interrupted")
+    killed = _signal_name(returncode)
+    if killed is not None and not (summary and summary.error):
+        oom = killed == "SIGKILL"
+        hint = " (the kernel's out-of-memory killer sends it when memory runs out: see dmesg)" if oom else ""
+        raise TrainingFailed(
+            f"a rank was killed by {killed}{hint}; checkpoints saved before it resume with resume={run_dir}"
+        )
     error = (summary.error if summary else None) or f"training exited with code {returncode}"
     raise (LauncherError if returncode == 2 else TrainingFailed)(error)
 
@@ -294,7 +319,7 @@ def _run_forwarding_stop_signals(
 
     previous = {signum: signal.signal(signum, request_stop) for signum in STOP_SIGNALS}
     try:
-        return subprocess.run(command, env=env, check=False)
+        return subprocess.run(command, env=env, check=False, preexec_fn=die_with_parent)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

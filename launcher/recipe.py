@@ -336,12 +336,19 @@ def setup_data(s: Session, records: list[dict], eval_records: list[dict], skippe
     )
     workers = int(cfg.data.num_workers)
     loader_args = {"num_workers": workers, "persistent_workers": workers > 0, "collate_fn": Collator(s.processor)}
-    train_loader = DataLoader(train_set, batch_size=micro, sampler=sampler, drop_last=True, **loader_args)
+    # Each loader draws its workers' seed from a generator of its own, not from the global one (whose
+    # restored state a resumed run's extra draws would shift): see checkpoint.batches.
+    train_loader = DataLoader(
+        train_set, batch_size=micro, sampler=sampler, drop_last=True, generator=torch.Generator(), **loader_args
+    )
     eval_loader = accuracy_set = None
     if eval_records:
         eval_set = ConversationDataset(eval_records)
         eval_sampler = DistributedSampler(eval_set, num_replicas=rank.world_size, rank=rank.rank, shuffle=False)
-        eval_loader = DataLoader(eval_set, batch_size=micro, sampler=eval_sampler, **loader_args)
+        eval_generator = torch.Generator().manual_seed(int(cfg.train.seed))
+        eval_loader = DataLoader(
+            eval_set, batch_size=micro, sampler=eval_sampler, generator=eval_generator, **loader_args
+        )
         if cfg.data.eval_accuracy:
             # The same number of samples per rank: under ZeRO-3 the ranks' generate calls run in lock-step.
             usable = min(int(cfg.data.eval_samples), len(eval_records)) // rank.world_size * rank.world_size
@@ -415,8 +422,9 @@ def _check_finite(s: Session, step: int, loss: float) -> None:
     if nonfinite_action(loss, s.dtype == torch.float16, s.nonfinite_in_a_row, allowed) != "stop":
         return
     saved = checkpoint.find_resume_tag(s.run_dir.checkpoints)
+    fixes = "lower train.lr, use precision=bf16 instead of fp16," if s.dtype == torch.float16 else "lower train.lr"
     raise TrainingFailed(
-        f"loss is {loss} at step {step}: lower train.lr, use precision=bf16 instead of fp16, or check the data"
+        f"loss is {loss} at step {step}: {fixes} or check the data"
         + (f"; checkpoint {saved}, saved before it, resumes with resume={s.run_dir.path}" if saved else "")
     )
 

@@ -11,6 +11,7 @@
     model/             the final model in Hugging Face format
     stop_requested     a stop signal forwarded to the ranks by the launcher process
     wandb_run_id       the W&B run a resume continues; wandb/ holds W&B's own files
+    .lock              held (flock) by the job that owns the directory, for the job's whole life
 
 Every JSON file is written atomically (a temporary file and a rename), so nothing half-written looks
 complete, and never with NaN or Infinity (not JSON): a non-finite number is written as null.
@@ -18,7 +19,10 @@ complete, and never with NaN or Infinity (not JSON): a non-finite number is writ
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -26,6 +30,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+# Run directories this process owns: path of the lock file -> its open descriptor.
+_claimed: dict[str, int] = {}
 
 JOB_FILE = "job.json"
 SUMMARY_FILE = "summary.json"
@@ -91,6 +98,34 @@ class RunDir:
     @property
     def wandb_run_id(self) -> Path:
         return self.path / "wandb_run_id"
+
+    @property
+    def lock(self) -> Path:
+        return self.path / ".lock"
+
+    def claim(self) -> str | None:
+        """Own this directory for the rest of this process's life; why not, when another job owns it.
+
+        An OS lock (flock) on `.lock`: held while the process lives, released by the kernel however it
+        ends (a crash, SIGKILL, the out-of-memory killer), so a dead job never blocks a resume."""
+        key = str(self.lock.resolve())
+        if key in _claimed:
+            return None
+        if not self.path.exists():
+            # Made here, before Hydra: if the job then stops before using it, leave nothing behind.
+            atexit.register(_remove_if_unused, self.path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.read(fd, 200).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            return f"another job (pid {owner}) is running in it"
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        _claimed[key] = fd  # kept open: closing it would release the lock
+        return None
 
     def read_summary(self) -> Summary | None:
         """The summary a run left, or None when there is none (or it cannot be read)."""
@@ -166,6 +201,14 @@ class Summary:
         return cls(
             **{k: v for k, v in data.items() if k in names}, extra={k: v for k, v in data.items() if k not in names}
         )
+
+
+def _remove_if_unused(path: Path) -> None:
+    """At exit: remove a run directory this process made and never used (only its lock in it)."""
+    with contextlib.suppress(OSError):
+        if [entry.name for entry in path.iterdir()] == [".lock"]:
+            (path / ".lock").unlink()
+            path.rmdir()
 
 
 def summary_skeleton(job: dict[str, Any]) -> dict[str, Any]:

@@ -26,7 +26,10 @@ def main(argv: list[str] | None = None) -> int:
         if verbose:
             raise
         codes = [failure.exitcode for failure in err.failures.values()]
-        return 2 if 2 in codes else 1
+        if 2 in codes:
+            return 2
+        # A rank ended by a signal (the out-of-memory killer's SIGKILL): 128 + N, as a shell reports it.
+        return next((128 - code for code in codes if code < 0), 1)
     return 0
 
 

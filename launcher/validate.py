@@ -71,14 +71,96 @@ def check_model_files(model_cfg: DictConfig) -> None:
         )
 
 
+# ----------------------------------------------------------------------------- every knob's range
+# A value out of range would otherwise reach a rank and fail there with a traceback (a model built
+# with 0 attention heads), or much later (a huge worker count, killed by the out-of-memory killer).
+WORKERS_PER_CORE = 4  # DataLoader workers beyond this many per usable core only add processes
+
+
+def check_knobs(cfg: DictConfig) -> None:
+    """Refuse, in one line naming the key, any knob outside its range, before anything starts.
+
+    The training knobs that enter the DeepSpeed dict are checked by the pure builder
+    (launcher.ds_config); the closed choices by the schema (enums) at compose time."""
+    _check_model_knobs(cfg.model)
+    data, dist, plan, train = cfg.data, cfg.dist, cfg.plan, cfg.train
+    cores = usable_cores()
+    if not 0 <= int(data.num_workers) <= WORKERS_PER_CORE * cores:
+        raise LauncherError(
+            f"data.num_workers={data.num_workers} must lie in [0, {WORKERS_PER_CORE * cores}] ({WORKERS_PER_CORE} per "
+            f"usable core, {cores} here): each worker is a process with its own copy of the data set; "
+            f"data.num_workers={min(cores, 2)} is plenty for images this size"
+        )
+    _at_least(data, "eval_samples", 1, "data")
+    _at_least(data, "max_new_tokens", 1, "data")
+    if data.synthetic:
+        _at_least(data, "n_train", 1, "data")
+        _at_least(data, "n_eval", 0, "data")
+        _at_least(data, "image_size", 8, "data")
+        _at_least(data, "seed", 0, "data")
+    _at_least(dist, "nproc_per_node", 1, "dist")
+    _at_least(dist, "nnodes", 1, "dist")
+    _at_least(dist, "node_rank", 0, "dist")
+    _at_least(dist, "timeout_s", 1, "dist")
+    if dist.master_port is not None and not 1 <= int(dist.master_port) <= 65535:
+        raise LauncherError(f"dist.master_port={dist.master_port} must be a TCP port in [1, 65535]")
+    _at_least(train, "keep_checkpoints", 1, "train")
+    _at_least(train, "max_nonfinite_steps", 0, "train")
+    if not 0 <= int(train.seed) < 2**32:
+        raise LauncherError(f"train.seed={train.seed} must lie in [0, 2**32) (NumPy's seed range)")
+    for key in ("gpu_memory_gb", "cpu_memory_gb"):
+        if plan[key] is not None and not 0 < float(plan[key]) < float("inf"):
+            raise LauncherError(f"plan.{key}={plan[key]} must be a positive number of GiB (or null: detected)")
+    if not 0 <= float(plan.headroom) < 1:
+        raise LauncherError(f"plan.headroom={plan.headroom} must be a fraction in [0, 1)")
+    for key, low in (("seq_len", 1), ("text_tokens", 1), ("image_size", 1)):
+        if plan[key] is not None:
+            _at_least(plan, key, low, "plan")
+    _at_least(plan, "images_per_sample", 0, "plan")
+
+
+def _at_least(node: Any, key: str, low: int, group: str) -> None:
+    if int(node[key]) < low:
+        what = "positive" if low == 1 else f"at least {low}"
+        raise LauncherError(f"{group}.{key}={node[key]} must be {what}")
+
+
+def _check_model_knobs(model: DictConfig) -> None:
+    if model.source == "pretrained":
+        if not model.path:
+            raise LauncherError(f"model.path is empty for model={model.name}: give a hub id or a local directory")
+        return
+    if model.path:
+        raise LauncherError(
+            f"model.path={model.path} is given, but model={model.name} builds a tiny model from code and would "
+            f"ignore it: to train the model saved there add model.source=pretrained (a trained run's model/ "
+            "loads this way), or leave model.path unset"
+        )
+    if model.arch is None:
+        raise LauncherError(
+            f"model.arch is not set for the tiny model model={model.name}: use tiny_llava or tiny_qwen2_vl"
+        )
+    for key in ("hidden_size", "vision_hidden_size"):
+        if int(model[key]) < 32 or int(model[key]) % 32:
+            raise LauncherError(
+                f"model.{key}={model[key]} must be a positive multiple of 32 (attention heads of 32 dimensions), "
+                "e.g. 64 or 128"
+            )
+    for key in ("num_layers", "vision_layers", "image_size", "patch_size"):
+        _at_least(model, key, 1, "model")
+    if int(model.image_size) % int(model.patch_size):
+        raise LauncherError(
+            f"model.image_size={model.image_size} must be a multiple of model.patch_size={model.patch_size}"
+        )
+    if model.arch == "tiny_qwen2_vl" and (int(model.image_size) // int(model.patch_size)) % 2:
+        raise LauncherError(
+            f"model.image_size / model.patch_size = {int(model.image_size) // int(model.patch_size)} must be even: "
+            "tiny_qwen2_vl merges 2x2 patches"
+        )
+
+
 def check_data(data: DictConfig) -> None:
     """The data files exist and the loader's settings are valid (records are read by the ranks)."""
-    if data.on_bad_record not in ("error", "skip"):
-        raise LauncherError(f"data.on_bad_record={data.on_bad_record}: choose 'error' or 'skip'")
-    if int(data.num_workers) < 0:
-        raise LauncherError(
-            f"data.num_workers={data.num_workers} must be 0 or more (0 decodes images in the training process)"
-        )
     if data.synthetic:
         return
     if OmegaConf.is_missing(data, "path") or not data.path:
@@ -174,6 +256,89 @@ def check_paths(ds: dict[str, Any]) -> None:
             )
         if not os.access(path, os.W_OK):
             raise LauncherError(f"offload.nvme_path={path} is not writable: pick a directory you can write")
+
+
+def check_optimizer_and_scheduler(ds: dict[str, Any]) -> None:
+    """The optimizer and scheduler blocks name classes DeepSpeed can build, with parameters they accept.
+
+    DeepSpeed's config validation passes both blocks through unread; a wrong type or parameter only
+    fails inside `deepspeed.initialize` on every rank, with a traceback. The classes are the ones
+    DeepSpeed 0.19 picks (engine._configure_basic_optimizer, _scheduler_from_config); nothing is built."""
+    import inspect
+
+    optimizer = ds.get("optimizer")
+    if optimizer:
+        cls, params = _optimizer_class(optimizer, ds)
+        if cls is not None:
+            _check_signature(cls, params, f"optimizer (type {optimizer.get('type')})", "optimizer.params")
+    scheduler = ds.get("scheduler")
+    if scheduler:
+        import torch
+        from deepspeed.runtime import lr_schedules
+
+        name = str(scheduler.get("type"))
+        cls = getattr(lr_schedules, name, None) or getattr(torch.optim.lr_scheduler, name, None)
+        if not inspect.isclass(cls):
+            raise LauncherError(
+                f"scheduler.type={name} is not a scheduler DeepSpeed can build: use one of "
+                f"{', '.join(lr_schedules.VALID_LR_SCHEDULES)} (or a torch.optim.lr_scheduler class)"
+            )
+        _check_signature(cls, dict(scheduler.get("params") or {}), f"scheduler {name}", "scheduler.params")
+
+
+def _optimizer_class(optimizer: dict[str, Any], ds: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The class DeepSpeed will construct for this optimizer block, and the parameters it gets."""
+    import inspect
+
+    import torch
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
+    name = str(optimizer.get("type"))
+    params = dict(optimizer.get("params") or {})
+    offloaded = ((ds.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
+    if name.lower() in ("adam", "adamw"):
+        params.pop("adam_w_mode", None)
+        params.pop("fp32_optimizer_states", None)
+        if params.pop("torch_adam", False):
+            return torch.optim.AdamW, params
+        from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+        return (DeepSpeedCPUAdam if offloaded else FusedAdam), params
+    if name.lower() == "adagrad":
+        return (None if offloaded else torch.optim.Adagrad), params
+    if name.lower() in DEEPSPEED_OPTIMIZERS:
+        return None, params  # LAMB, Lion, MuP, Muon: their own ops or packages; DeepSpeed checks them
+    cls = getattr(torch.optim, name, None)
+    if not (inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer)):
+        raise LauncherError(
+            f"optimizer.type={name} is not an optimizer DeepSpeed can build: use AdamW, Adam, Adagrad, Lamb, Lion "
+            "(or a torch.optim class, spelt as torch spells it, e.g. SGD)"
+        )
+    return cls, params
+
+
+def _check_signature(cls: Any, params: dict[str, Any], what: str, prefix: str) -> None:
+    import inspect
+
+    signature = inspect.signature(cls.__init__)
+    accepted = set(list(signature.parameters)[2:])  # after self and the optimizer / the parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()):
+        return
+    unknown = sorted(set(params) - accepted)
+    if unknown:
+        raise LauncherError(
+            f"{prefix}.{unknown[0]} is not a parameter of the {what} ({cls.__name__} takes "
+            f"{', '.join(sorted(accepted))}): fix or remove it"
+        )
+    missing = [
+        name
+        for name, parameter in list(signature.parameters.items())[2:]
+        if parameter.default is inspect.Parameter.empty
+        and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+        and name not in params
+    ]
+    if missing:
+        raise LauncherError(f"{prefix}.{missing[0]} is required by the {what}: set it")
 
 
 # DeepSpeed's pydantic model names, and the part of the dict each one parses.

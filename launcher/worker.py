@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    from launcher.processes import die_with_parent
+
+    die_with_parent()  # a rank outlives neither the launcher nor torch's launcher that started it
     cfg = OmegaConf.load(args.run_dir / ".hydra" / "config.yaml")
     from launcher.recipe import train
 
@@ -33,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         return err.exit_code
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal's group: recorded, no traceback
+        return 130
     return 0
 
 

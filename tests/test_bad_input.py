@@ -91,8 +91,56 @@ CASES = [
         ("data=llava_json", "data.path={data}/image_dir.json"),
         "{data}/image_dir.json record 1: image {data}/images is a directory",
     ),
-    Case("num-workers-negative", ("data.num_workers=-1",), "data.num_workers=-1 must be 0 or more"),
+    Case("num-workers-negative", ("data.num_workers=-1",), "data.num_workers=-1 must lie in [0, "),
+    Case("num-workers-huge", ("data.num_workers=500",), "data.num_workers=500 must lie in [0, "),
+    Case(
+        "image-path-is-a-symlink-loop",
+        ("data=llava_json", "data.path={data}/loop.json"),
+        "{data}/loop.json record 1: image path {data}/images/loop cannot be read (Symlink loop",
+    ),
+    Case(
+        "image-path-too-long",
+        ("data=llava_json", "data.path={data}/long_name.json"),
+        "{data}/long_name.json record 1: image path {data}/images/xxxx",
+    ),
     # ------------------------------------------------------------------ model
+    Case(
+        "model-path-with-a-tiny-model",
+        ("model.path={models}/good",),
+        "model.path={models}/good is given, but model=tiny_llava builds a tiny model from code and would ignore it",
+    ),
+    Case("tiny-hidden-size-zero", ("model.hidden_size=0",), "model.hidden_size=0 must be a positive multiple of 32"),
+    Case("tiny-hidden-size-odd", ("model.hidden_size=3",), "model.hidden_size=3 must be a positive multiple of 32"),
+    Case("tiny-no-layers", ("model.num_layers=0",), "model.num_layers=0 must be positive"),
+    Case(
+        "tiny-image-not-whole-patches",
+        ("model.image_size=30",),
+        "model.image_size=30 must be a multiple of model.patch_size=8",
+    ),
+    # ------------------------------------------------------------------ knobs that reach DeepSpeed
+    Case("lr-infinite", ("train.lr=inf",), "train.lr=inf must be a finite number"),
+    Case("betas-out-of-range", ("train.betas=[0.9,1.0]",), "train.betas=[0.9, 1.0] must be two numbers in [0, 1)"),
+    Case("dist-timeout-zero", ("dist.timeout_s=0",), "dist.timeout_s=0 must be positive"),
+    Case(
+        "optimizer-parameter-unknown",
+        ("+deepspeed_extra.optimizer.params.momentum=0.9",),
+        "optimizer.params.momentum is not a parameter of the optimizer (type AdamW) (AdamW takes",
+    ),
+    Case(
+        "optimizer-type-unknown",
+        ("+deepspeed_extra.optimizer.type=Adamm",),
+        "optimizer.type=Adamm is not an optimizer DeepSpeed can build",
+    ),
+    Case(
+        "scheduler-type-unknown",
+        ("+deepspeed_extra.scheduler.type=Cosine",),
+        "scheduler.type=Cosine is not a scheduler DeepSpeed can build: use one of LRRangeTest",
+    ),
+    Case(
+        "scheduler-parameter-unknown",
+        ("+deepspeed_extra.scheduler.params.warmup_steps=3",),
+        "scheduler.params.warmup_steps is not a parameter of the scheduler WarmupCosineLR",
+    ),
     Case(
         "model-dir-without-config",
         ("model=llava_1_5_7b", "model.path={models}/empty"),
@@ -202,8 +250,11 @@ def data_dir(tmp_path_factory) -> Path:
         "image_dir.json": json.dumps([GOOD, {**GOOD, "image": "images"}] * 4),
         "a_file": "a regular file where a directory is expected",
     }
+    files["loop.json"] = json.dumps([GOOD, {**GOOD, "image": "images/loop"}])
+    files["long_name.json"] = json.dumps([GOOD, {**GOOD, "image": "images/" + "x" * 5000}])
     for name, text in files.items():
         (root / name).write_text(text)
+    (root / "images" / "loop").symlink_to(root / "images" / "loop")  # a symlink to itself
     (root / "binary.json").write_bytes(b"\xff\xd8\xff\xe0 a JPEG saved as .json")
     return root
 
@@ -296,11 +347,11 @@ def _inputs(case: Case, request: pytest.FixtureRequest, tmp_path: Path) -> dict[
 
 # ---------------------------------------------------------------------------------------------- checks
 def _files(run_dir: Path) -> dict[str, bytes]:
-    """Every file of a run directory but the log Hydra appends to."""
+    """Every file of a run directory but the log Hydra appends to and the lock a job takes on it."""
     return {
         str(path.relative_to(run_dir)): path.read_bytes()
         for path in sorted(run_dir.rglob("*"))
-        if path.is_file() and path.name != "train.log"
+        if path.is_file() and path.name not in ("train.log", ".lock")
     }
 
 

@@ -89,6 +89,19 @@ BAD_INPUTS = [
     (["+deepspeed_extra.zero_optimization.bogus=1"], 2, "DeepSpeed rejects zero_optimization.bogus"),
     (["+deepspeed_extra.gradient_clipping=auto"], 2, 'gradient_clipping="auto" would be silently dropped'),
     (["deepspeed_json=/nonexistent/ds.json"], 2, "deepspeed_json=/nonexistent/ds.json: no such file"),
+    # A JSON written for 8 ranks (64 = 4 x 2 x 8), run on 1: the error names the file's keys and the overrides.
+    (
+        ["deepspeed_json=tests/golden/z2_fp32_ws8.json", "train.lr=1e-4"],
+        2,
+        "inconsistent batch sizes: deepspeed_json=tests/golden/z2_fp32_ws8.json sets train_batch_size=64, but the "
+        "file's train_micro_batch_size_per_gpu=4 x the file's gradient_accumulation_steps=2 x world size 1 = 8",
+    ),
+    (
+        ["deepspeed_json=tests/golden/z2_fp32_ws8.json", "train.global_batch_size=30"],
+        2,
+        "train.global_batch_size=30 is not divisible by train_micro_batch_size_per_gpu=4 (from "
+        "deepspeed_json=tests/golden/z2_fp32_ws8.json) x world size 1",
+    ),
     (["zero=stage0", "offload=optimizer"], 2, "optimizer offload needs ZeRO stage 1, 2 or 3"),
     (
         ["model=llava_1_5_7b", "model.path=/nonexistent/llava"],

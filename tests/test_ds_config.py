@@ -13,7 +13,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from launcher.ds_config import (
+    BATCH_KEYS,
     KNOWN_TOP_LEVEL_KEYS,
+    TRAIN_KEY_OWNS,
     Device,
     build_ds_config,
     derived_bucket_sizes,
@@ -460,9 +462,184 @@ def test_explicit_groups_come_from_overrides():
         "zero",
         "offload",
         "precision",
-        "train",
+        "train.lr",  # a train.* key is named by itself: it owns only its own values
     }
+    assert explicit_groups_from_overrides(["train=default", "train.betas=[0.8,0.9]"]) == {"train", "train.betas"}
     assert explicit_groups_from_overrides(["model=tiny_llava", "dry_run=true"]) == frozenset()
+
+
+# --------------------------------------------------------------------------- train.* overrides on a JSON base
+DS_JSON = "deepspeed_json=ds.json"
+FILE_16_4_4 = {  # concrete everywhere, and different from every train default
+    "train_batch_size": 16,
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 4,
+    "gradient_clipping": 0.5,
+    "steps_per_print": 7,
+    "zero_optimization": {"stage": 2},
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": 3e-5, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.1},
+    },
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-5, "warmup_num_steps": 100, "total_num_steps": 5000},
+    },
+}
+
+
+def build_on_file(overrides: list[str], base: dict[str, Any] = FILE_16_4_4, world_size: int = 1) -> dict[str, Any]:
+    return build(
+        compose_plain(overrides),
+        world_size=world_size,
+        base=base,
+        base_source=DS_JSON,
+        explicit_groups=explicit_groups_from_overrides(overrides),
+    )
+
+
+def leaves(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        flat.update(leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return flat
+
+
+def changed_leaves(before: dict[str, Any], after: dict[str, Any]) -> set[str]:
+    """The paths of `before` whose value differs in `after`."""
+    now = leaves(after)
+    return {path for path, value in leaves(before).items() if now.get(path, "absent") != value}
+
+
+def test_a_train_override_keeps_the_files_batch_and_changes_only_lr():
+    """The issue's example: file 16/4/4 + train.lr=1e-4 used to become 32 x 1."""
+    ds = build_on_file(["train.lr=1e-4"])
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (
+        16,
+        4,
+        4,
+    )
+    assert ds["optimizer"]["params"]["lr"] == 1e-4
+    assert ds["scheduler"]["params"]["warmup_max_lr"] == 1e-4
+    assert changed_leaves(FILE_16_4_4, ds) == {"optimizer.params.lr", "scheduler.params.warmup_max_lr"}
+    assert ds["scheduler"]["type"] == "WarmupDecayLR"  # the file's own blocks stay
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "train.micro_batch_size=8",
+        "train.grad_accum=2",
+        "train.global_batch_size=64",
+        "train.grad_clip=2.0",
+        "train.lr=1e-4",
+        "train.betas=[0.7,0.75]",
+        "train.eps=1e-9",
+        "train.weight_decay=0.2",
+        "train.max_steps=300",
+        "train.warmup_steps=20",
+        "train.seed=3",
+        "train.log_every=5",
+        "train.eval_every=10",
+    ],
+)
+def test_a_train_override_replaces_only_what_it_names(override):
+    key = override.split("=", 1)[0]
+    names = set(TRAIN_KEY_OWNS.get(key, ()))
+    derived = set(BATCH_KEYS) if names & set(BATCH_KEYS) else set()  # a batch key also moves the derived one
+    changed = changed_leaves(FILE_16_4_4, build_on_file([override]))
+    assert names <= changed <= names | derived
+
+
+def test_grad_clip_replaces_only_gradient_clipping():
+    ds = build_on_file(["train.grad_clip=2.0"])
+    assert ds["gradient_clipping"] == 2.0
+    assert changed_leaves(FILE_16_4_4, ds) == {"gradient_clipping"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world_size", "expected"),
+    [
+        (["train.micro_batch_size=8"], 1, (32, 8, 4)),  # the file's accumulation stays, the total is derived
+        (["train.grad_accum=2"], 1, (8, 4, 2)),
+        (["train.global_batch_size=64"], 2, (64, 4, 8)),  # the file's micro batch stays
+        (["train.micro_batch_size=8", "train.grad_accum=1"], 1, (8, 8, 1)),
+        (["train.micro_batch_size=2", "train.lr=1e-4"], 2, (16, 2, 4)),
+        (["train=default"], 1, (32, 32, 1)),  # a train= choice owns the whole batch
+    ],
+)
+def test_named_batch_keys_win_and_the_file_fills_the_rest(overrides, world_size, expected):
+    ds = build_on_file(overrides, world_size=world_size)
+    got = (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"])
+    assert got == expected
+
+
+def test_a_file_batch_that_conflicts_with_the_defaults_names_where_each_number_came_from():
+    with pytest.raises(LauncherError) as err:
+        build_on_file([], base={"train_batch_size": 16})
+    assert str(err.value) == (
+        "deepspeed_json=ds.json sets train_batch_size=16, which is not divisible by the default "
+        "train.micro_batch_size=32 x world size 1: set train.micro_batch_size (or train_micro_batch_size_per_gpu "
+        "in the file)"
+    )
+    ds = build_on_file(["train.micro_batch_size=4"], base={"train_batch_size": 16})
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (4, 4)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "base", "world_size", "message"),
+    [
+        (
+            [],
+            FILE_16_4_4,
+            2,
+            "inconsistent batch sizes: deepspeed_json=ds.json sets train_batch_size=16, but the file's "
+            "train_micro_batch_size_per_gpu=4 x the file's gradient_accumulation_steps=4 x world size 2 = 32: set "
+            'one of them to "auto" in the file',
+        ),
+        (
+            ["train.global_batch_size=30"],
+            FILE_16_4_4,
+            1,
+            "train.global_batch_size=30 is not divisible by train_micro_batch_size_per_gpu=4 (from "
+            "deepspeed_json=ds.json) x world size 1: change train.global_batch_size, or "
+            "train_micro_batch_size_per_gpu in the file (or set train.micro_batch_size)",
+        ),
+        (
+            ["train.micro_batch_size=5"],
+            {"train_batch_size": 16},
+            1,
+            "deepspeed_json=ds.json sets train_batch_size=16, which is not divisible by train.micro_batch_size=5 x "
+            "world size 1: change train.micro_batch_size, or train_batch_size in the file",
+        ),
+        (
+            [],
+            {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 3},
+            2,
+            "sets train_batch_size=16, which is not divisible by the file's train_micro_batch_size_per_gpu=3 x world "
+            "size 2 = 6",
+        ),
+        (
+            [],
+            {"gradient_accumulation_steps": 0},
+            1,
+            "deepspeed_json=ds.json sets gradient_accumulation_steps=0, which must be a positive integer",
+        ),
+    ],
+)
+def test_inconsistent_batch_sizes_name_the_files_keys_and_the_overrides(overrides, base, world_size, message):
+    with pytest.raises(LauncherError) as err:
+        build_on_file(overrides, base=base, world_size=world_size)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_an_override_the_files_optimizer_has_no_place_for_is_refused():
+    base = {**FILE_16_4_4, "optimizer": {"type": "AdamW", "params": {"lr": 3e-5}}}
+    with pytest.raises(LauncherError, match=r"train\.betas would change nothing: the optimizer of deepspeed_json=ds"):
+        build_on_file(["train.betas=[0.7,0.75]"], base=base)
+    base["optimizer"]["params"]["betas"] = "auto"  # what the message suggests
+    assert build_on_file(["train.betas=[0.7,0.75]"], base=base)["optimizer"]["params"]["betas"] == [0.7, 0.75]
 
 
 # --------------------------------------------------------------------------- the key list itself

@@ -1,0 +1,221 @@
+"""Nothing lost, nothing silent: one job per run directory, finished runs stay finished, valid JSON.
+
+Each case runs `python train.py` as a user would (subprocesses), except the pure record tests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher.rundir import RunDir, Summary
+from tests.conftest import ROOT
+
+SHORT = ["logger=none", "train.micro_batch_size=4", "train.eval_every=0", "data.eval_accuracy=false"]
+
+
+# ----------------------------------------------------------------------------- records
+def test_summary_and_metrics_are_valid_json_without_nan(tmp_path):
+    run_dir = RunDir(tmp_path)
+    summary = Summary(status="failed", final_loss=math.nan, eval_loss=math.inf, objective=-math.inf)
+    summary.extra["grad_norms"] = [1.0, math.nan]
+    run_dir.write_summary(summary)
+    data = json.loads(run_dir.summary.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
+    assert (data["final_loss"], data["eval_loss"], data["objective"], data["grad_norms"]) == (
+        None,
+        None,
+        None,
+        [1.0, None],
+    )
+    run_dir.append_metrics({"step": 1, "train/loss": math.nan, "train/grad_norm": 2.5})
+    line = json.loads(run_dir.metrics.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
+    assert line == {"step": 1, "train/loss": None, "train/grad_norm": 2.5}
+    assert Summary.from_json(data).to_json() == data  # the record round-trips, extras included
+
+
+def test_a_run_directory_is_owned_by_one_process_at_a_time(tmp_path):
+    run_dir = RunDir(tmp_path / "run")
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from launcher.rundir import RunDir; "
+            f"assert RunDir(Path({str(run_dir.path)!r})).claim() is None; print('held', flush=True); time.sleep(30)",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert f"another job (pid {holder.pid}) is running in it" == run_dir.claim()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run_dir.claim() is None  # the kernel released the dead job's lock
+    assert run_dir.claim() is None  # and claiming again in the same process is a no-op
+
+
+# ----------------------------------------------------------------------------- end to end
+def _train(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "train.py", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.slow
+def test_two_jobs_into_one_directory_one_is_refused_the_other_intact(isolated_env, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*SHORT, "train.max_steps=20", f"hydra.run.dir={run_dir}"]
+    first = _train(*args, env=isolated_env)
+    time.sleep(0.5)
+    second = _train(*args, env=isolated_env)
+    _, second_err = second.communicate(timeout=600)
+    _, first_err = first.communicate(timeout=600)
+    assert first.returncode == 0, first_err[-3000:]
+    assert second.returncode == 2
+    errors = [line for line in second_err.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: hydra.run.dir={run_dir}: another job (pid {first.pid}) is running in it; wait for it to "
+                      "end, or choose another directory"]  # fmt: skip
+    assert "Traceback" not in second_err
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 21))  # one line per step, from one job
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A run that completed its 4 steps, with its final checkpoint."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    env["VLM_LAUNCHER_CACHE"] = str(ROOT / "outputs" / "cache")
+    result = subprocess.run(
+        [sys.executable, "train.py", *SHORT, "train.max_steps=4", "train.save_every=2", f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def _snapshot(run_dir: Path) -> dict[str, bytes]:
+    return {
+        str(path.relative_to(run_dir)): path.read_bytes()
+        for path in sorted(run_dir.rglob("*"))
+        if path.is_file() and path.name not in ("train.log", ".lock")
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["resume={run}"], 0, "resume: {run} already finished at step 4 (train.max_steps=4); nothing to train"),
+        (["resume=auto", "hydra.run.dir={run}"], 0, "resume: {run} already finished at step 4"),
+        (
+            ["resume={run}", "train.max_steps=2"],
+            2,
+            "error: train.max_steps=2 is below step 4 of the checkpoint step4 this resume continues",
+        ),
+    ],
+    ids=["resume-dir", "resume-auto", "fewer-steps"],
+)
+def test_resuming_a_finished_run_leaves_it_as_it_was(run_train, finished, tmp_path, args, code, message):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    before = _snapshot(run)
+    result = run_train(*[arg.format(run=run) for arg in args], timeout=300)
+    assert result.returncode == code, result.stderr[-3000:]
+    assert message.format(run=run) in result.stderr
+    assert "Traceback" not in result.stderr
+    assert _snapshot(run) == before  # summary, metrics, checkpoints, model, .hydra: untouched
+
+
+# ----------------------------------------------------------------------------- how a job ends
+def _wait_for(predicate, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        if time.time() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.05)
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_a_signal_while_the_job_is_planned_is_recorded(isolated_env, tmp_path, signum):
+    """Stopped before any rank started: summary "interrupted", exit 143, one line, no traceback."""
+    import signal
+
+    run_dir = tmp_path / "run"
+    job = _train(*SHORT, "train.max_steps=5", f"hydra.run.dir={run_dir}", env=isolated_env)
+    _wait_for(lambda: (run_dir / ".hydra" / "config.yaml").exists())  # Hydra is done: run_job plans now
+    time.sleep(0.3)
+    job.send_signal(getattr(signal, signum))
+    _, err = job.communicate(timeout=300)
+    summary = _summary(run_dir)
+    if summary["status"] == "preempted":  # the ranks had started already: they stopped cleanly instead
+        assert job.returncode == 143
+        return
+    assert job.returncode == 143, err[-3000:]
+    assert f"error: stopped by {signum} before training started; start the job again" in err
+    assert "Traceback" not in err
+    assert summary["status"] == "interrupted" and signum in summary["error"]
+
+
+@pytest.mark.slow
+def test_a_signal_while_the_model_loads_stops_at_the_first_step_with_a_checkpoint(isolated_env, tmp_path):
+    import signal
+
+    run_dir = tmp_path / "run"
+    job = _train(*SHORT, "train.max_steps=50", f"hydra.run.dir={run_dir}", env=isolated_env)
+    _wait_for(lambda: (run_dir / "job.json").exists())  # the plan is written: the rank is starting
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=300)
+    assert job.returncode == 143, err[-3000:]
+    assert "Traceback" not in err
+    summary = _summary(run_dir)
+    assert summary["status"] == "preempted" and summary["steps"] >= 1
+    assert (run_dir / "checkpoints" / f"step{summary['steps']}" / "launcher_complete.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_rank_killed_by_the_kernel_is_recorded_and_leaves_no_process(isolated_env, tmp_path):
+    """What the out-of-memory killer does: SIGKILL to the rank. The launcher records it; nothing lingers."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    job = _train(*SHORT, "train.max_steps=500", "data.num_workers=2", f"hydra.run.dir={run_dir}", env=isolated_env)
+    _wait_for(lambda: (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().strip())
+    launcher = psutil.Process(job.pid)
+    rank = next(p for p in launcher.children() if "launcher.worker" in " ".join(p.cmdline()))
+    family = [rank, *rank.children(recursive=True)]  # the rank and its DataLoader workers
+    rank.kill()
+    _, err = job.communicate(timeout=300)
+    assert job.returncode == 1, err[-3000:]
+    line = "a rank was killed by SIGKILL (the kernel's out-of-memory killer sends it when memory runs out"
+    assert line in err and "Traceback" not in err
+    summary = _summary(run_dir)
+    assert summary["status"] == "failed" and line in summary["error"]
+    _, alive = psutil.wait_procs(family, timeout=15)
+    assert alive == []
