@@ -22,13 +22,14 @@ import contextlib
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import resource
 import shutil
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 from torch.utils.data import DistributedSampler
 
-from launcher.errors import TrainingFailed
+from launcher.errors import TrainingFailed, one_line
 from launcher.rundir import METRICS_FILE, read_json, write_json_atomic
 
 log = logging.getLogger("launcher")
@@ -68,16 +69,56 @@ def complete_tags(checkpoints: Path) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def find_resume_tag(checkpoints: Path) -> str | None:
-    """The tag `latest` names when it is complete; else the newest complete one; None if none is."""
+def find_resume_tag(checkpoints: Path, warn: Callable[[str], None] = log.warning) -> str | None:
+    """The newest intact checkpoint: the one `latest` names, else the newest complete one; None if none is.
+
+    Complete: its marker exists. Intact: every file the marker lists has the size it had at save (a
+    marker without the list, written before it existed, is trusted). Each damaged checkpoint passed
+    over is reported to `warn` in one line naming the file and the checkpoint resumed instead."""
+    candidates = [tag for _, tag in reversed(complete_tags(checkpoints))]
     latest = checkpoints / LATEST_FILE
     if latest.is_file():
-        tag = latest.read_text().strip()
-        if (checkpoints / tag / MARKER_FILE).is_file():
+        named = latest.read_text().strip()
+        if named in candidates:
+            candidates.remove(named)
+            candidates.insert(0, named)
+        else:
+            log.warning("checkpoint %s named by %s is incomplete; looking for an older one", named, latest)
+    damaged = None
+    for tag in candidates:
+        problem = checkpoint_damage(checkpoints / tag)
+        if damaged is not None:
+            warn(f"{damaged}; resuming from {tag}" if problem is None else f"{damaged}; trying {tag}")
+        if problem is None:
             return tag
-        log.warning("checkpoint %s named by %s is incomplete; looking for an older one", tag, latest)
-    tags = complete_tags(checkpoints)
-    return tags[-1][1] if tags else None
+        damaged = f"checkpoint {tag} is damaged ({problem})"
+    if damaged is not None:
+        warn(f"{damaged}; no intact checkpoint is left")
+    return None
+
+
+def checkpoint_damage(tag_dir: Path) -> str | None:
+    """What differs from the file list the marker recorded at save ("PATH: 12 bytes, 40 at save"); None if nothing."""
+    try:
+        recorded = read_json(tag_dir / MARKER_FILE).get("files")
+    except (OSError, ValueError, AttributeError):
+        return f"{tag_dir / MARKER_FILE}: unreadable"
+    for name, size in (recorded or {}).items():
+        path = tag_dir / name
+        if not path.is_file():
+            return f"{path}: missing, {size} bytes at save"
+        if path.stat().st_size != size:
+            return f"{path}: {path.stat().st_size} bytes, {size} at save"
+    return None
+
+
+def saved_files(tag_dir: Path) -> dict[str, int]:
+    """Every file of a checkpoint (path relative to its directory) with its size, for the marker."""
+    return {
+        path.relative_to(tag_dir).as_posix(): path.stat().st_size
+        for path in sorted(tag_dir.rglob("*"))
+        if path.is_file() and path.name != MARKER_FILE and not path.name.startswith(f".{MARKER_FILE}.")
+    }
 
 
 def read_marker(checkpoints: Path, tag: str) -> dict[str, Any]:
@@ -121,10 +162,17 @@ class ResumableSampler(DistributedSampler):
 
 
 def batches(loader: Any, sampler: ResumableSampler, position: DataPosition, micro: int) -> Iterator[Any]:
-    """Batches forever, epoch after epoch, from `position` on; `position` counts what was handed out."""
+    """Batches forever, epoch after epoch, from `position` on; `position` counts what was handed out.
+
+    Each epoch's iterator draws the workers' base seed from the loader's own generator (reseeded from
+    the sampler's seed and the epoch), not from the global torch generator: a resumed run creates one
+    iterator more than the uninterrupted run did, and that draw would shift the global random stream
+    (dropout) from the restored state."""
     while True:
         sampler.set_epoch(position.epoch)
         sampler.start = position.batches * micro
+        if loader.generator is not None:
+            loader.generator.manual_seed(sampler.seed + position.epoch)
         for batch in loader:
             position.batches += 1
             yield batch
@@ -178,7 +226,8 @@ def save(engine: Any, run_dir: Path, step: int, position: DataPosition, meta: di
         if delay:
             time.sleep(delay)
         with write_failures_reported(checkpoints / tag):
-            write_json_atomic(checkpoints / tag / MARKER_FILE, {**meta, "step": step, "tag": tag})
+            files = saved_files(checkpoints / tag)  # every rank's, complete after the barrier
+            write_json_atomic(checkpoints / tag / MARKER_FILE, {**meta, "step": step, "tag": tag, "files": files})
             _write_latest(checkpoints, tag)
         _prune(checkpoints, keep)
     _barrier()
@@ -241,12 +290,19 @@ def _prune(checkpoints: Path, keep: int) -> None:
 def load(engine: Any, run_dir: Path, tag: str) -> tuple[int, DataPosition, dict[str, Any]]:
     """Restore a checkpoint into the engine; returns its step, the data position and this rank's RNG state."""
     checkpoints = run_dir / CHECKPOINT_DIR
-    path, _ = engine.load_checkpoint(
-        str(checkpoints), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-    )
+    try:
+        path, _ = engine.load_checkpoint(
+            str(checkpoints), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        own = torch.load(checkpoints / tag / f"launcher_rank{torch.distributed.get_rank()}.pt", weights_only=False)
+    except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as err:
+        # A damage the sizes recorded at save do not show (or a checkpoint saved before they were).
+        raise TrainingFailed(
+            f"cannot load checkpoint {checkpoints / tag} ({type(err).__name__}: {one_line(err)}): a file of it "
+            "may be damaged; move that directory away to resume from the checkpoint before it"
+        ) from err
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {checkpoints / tag}")
-    own = torch.load(checkpoints / tag / f"launcher_rank{torch.distributed.get_rank()}.pt", weights_only=False)
     return int(own["step"]), DataPosition(own["epoch"], own["batches"]), own["rng"]
 
 

@@ -21,8 +21,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from launcher import credentials
 from launcher.errors import Interrupted, LauncherError, one_line, record_rank_error
-from launcher.job import HydraJob, JobSpec, plan_job
+from launcher.job import HydraJob, JobSpec, plain, plan_job
 from launcher.resume import argument, is_multirun, runs_a_job
 from launcher.rundir import RunDir, Summary, directory_problem, read_json, write_json_atomic
 
@@ -257,15 +258,19 @@ def run_job(
         accepted = True
         if on_accept is not None:
             on_accept()
-        write_json_atomic(run_dir.ds_config, spec.ds_config)
+        # Credentials stay out of every file; the ranks get the config's real values from launch().
+        public_cfg, cfg_secrets = credentials.split(plain(cfg))
+        credentials.redact_hydra_files(run_dir.hydra, public_cfg if cfg_secrets else None)
+        public_ds = credentials.split(spec.ds_config)[0]
+        write_json_atomic(run_dir.ds_config, public_ds)
         if cfg.dry_run:
-            print(json.dumps(spec.ds_config, indent=2))
+            print(json.dumps(public_ds, indent=2))
             print(f"dry run: wrote {run_dir.ds_config}; nothing trained", file=sys.stderr)
             return None
-        write_json_atomic(run_dir.job, {**spec.to_json(), "launch_id": launch_id(cfg)})
+        write_json_atomic(run_dir.job, credentials.split({**spec.to_json(), "launch_id": launch_id(cfg)})[0])
         from launcher.processes import launch
 
-        summary = launch(cfg, spec)
+        summary = launch(cfg, spec, credentials.for_ranks(cfg_secrets))
     except LauncherError as err:
         message = one_line(err)
         if accepted or on_accept is None:  # a refused resume leaves the run it would have continued as it was
@@ -289,7 +294,7 @@ def _record_failure(cfg: DictConfig, run_dir: RunDir, hydra: HydraJob, err: Laun
     from launcher.processes import launch_id
 
     message = one_line(err)
-    job = {"overrides": list(hydra.overrides), "choices": dict(hydra.choices)}
+    job = credentials.split({"overrides": list(hydra.overrides), "choices": dict(hydra.choices)})[0]
     summary = run_dir.read_summary() or Summary.for_job(job)
     status = "interrupted" if isinstance(err, Interrupted) else "failed"
     summary.failed(message, wall_s=time.time() - started, status=status)

@@ -197,12 +197,13 @@ def slurm_rank_env(cfg: DictConfig) -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- running them
-def launch(cfg: DictConfig, spec: JobSpec) -> Summary:
+def launch(cfg: DictConfig, spec: JobSpec, secret_env: dict[str, str] | None = None) -> Summary:
     """Train the job planned in its run directory; returns rank 0's summary.
 
     The ranks always run in child processes, and this process supervises them: whatever ends a rank
     (an exception, a signal, the kernel's out-of-memory killer), this process is left to record how
     the job ended in summary.json. The children die with it (PR_SET_PDEATHSIG), so none outlives it.
+    `secret_env` hands the ranks the config's credentials, which the run directory's files leave out.
     """
     run_dir = spec.hydra.run_dir
     kind, nproc = cfg.dist.launcher, spec.ranks_per_node
@@ -216,7 +217,7 @@ def launch(cfg: DictConfig, spec: JobSpec) -> Summary:
     if cfg.dist.node_rank == 0:
         stop_file.unlink(missing_ok=True)  # left by an earlier, preempted segment of this run
         clear_rank_errors(run_dir)
-    env = dict(os.environ)
+    env = {**os.environ, **(secret_env or {})}
     if kind == "local" and nproc == 1:
         command = [sys.executable, "-m", "launcher.worker", str(run_dir)]
         env.update(_rank_env(0, 0, 1, 1, str(cfg.dist.master_addr), port))

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from launcher import checkpoint
+from launcher import checkpoint, credentials
 from launcher.errors import LauncherError, TrainingFailed, one_line, record_rank_error
 from launcher.rundir import RunDir, Summary, read_json
 from launcher.schema import OBJECTIVES
@@ -171,6 +171,8 @@ class Session:
 def train(cfg: DictConfig, run_dir: Path) -> Summary:
     """Train one rank of the job planned in `run_dir`; returns the summary (rank 0's is written)."""
     directory = RunDir(Path(run_dir))
+    if cfg_secrets := credentials.from_environment():  # the files hold "<redacted>" for credentials
+        cfg = OmegaConf.create(credentials.restore(OmegaConf.to_container(cfg, resolve=True), cfg_secrets))
     session: Session | None = None
     job = read_json(directory.job)
     summary = Summary.for_job(job)
@@ -237,7 +239,8 @@ def _failed(err: BaseException, run_dir: RunDir, rank: int, summary: Summary, se
 def setup(s: Session) -> None:
     """Data, model, engine, resume, logger: everything the first step needs."""
     cfg, rank = s.cfg, s.rank
-    ds_config = read_json(s.run_dir.ds_config)
+    # ds_config.json holds "<redacted>" for credentials: DeepSpeed gets the real values.
+    ds_config = credentials.restore(read_json(s.run_dir.ds_config), credentials.of_deepspeed_dict(_plain(cfg)))
     _seed_everything(int(cfg.train.seed))
     cache = Path(cfg.cache_dir).expanduser().absolute()
     records, eval_records, skipped = load_data(cfg, cache, rank, micro=int(ds_config["train_micro_batch_size_per_gpu"]))
@@ -495,9 +498,16 @@ def evaluate(s: Session) -> dict[str, float]:
 
 # ----------------------------------------------------------------------------- saving and finishing
 def save(s: Session, step: int) -> None:
-    """A resumable checkpoint of this step (collective: every rank calls it)."""
+    """A resumable checkpoint of this step (collective: every rank calls it).
+
+    DeepSpeed stores its config dict in the checkpoint: it stores the one without credentials."""
     keep = int(s.cfg.train.keep_checkpoints)
-    checkpoint.save(s.engine, s.run_dir.path, step, s.data.position, s.checkpoint_meta, keep=keep)
+    real = s.engine.config
+    s.engine.config = credentials.split(real)[0]
+    try:
+        checkpoint.save(s.engine, s.run_dir.path, step, s.data.position, s.checkpoint_meta, keep=keep)
+    finally:
+        s.engine.config = real
 
 
 def finish(s: Session, stopped_at: int | None) -> Summary:
@@ -676,6 +686,10 @@ def _print_final_table(summary: Summary, run_dir: RunDir) -> None:
     print("\n".join(["", "run summary", *lines]), flush=True)
 
 
+def _plain(cfg: DictConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
+
+
 def _start_logger(s: Session, ds_config: dict[str, Any]) -> Any:
     """The W&B run of rank 0 (None when logger=none or W&B is disabled)."""
     if not s.cfg.logger.enabled:
@@ -683,7 +697,7 @@ def _start_logger(s: Session, ds_config: dict[str, Any]) -> Any:
     from launcher import wandb_logger
 
     return wandb_logger.start_for_job(
-        cfg=OmegaConf.to_container(s.cfg, resolve=True, enum_to_str=True),
+        cfg=_plain(s.cfg),
         run_dir=s.run_dir.path,
         job=s.job,
         ds_config=ds_config,

@@ -100,3 +100,61 @@ def test_a_nonfinite_loss_stops_unless_fp16_may_skip_it():
         assert nonfinite_action(loss, fp16=True, in_a_row=1, allowed=0) == "stop"  # the default
         assert nonfinite_action(loss, fp16=True, in_a_row=2, allowed=2) == "skip"
         assert nonfinite_action(loss, fp16=True, in_a_row=3, allowed=2) == "stop"
+
+
+def test_a_damaged_checkpoint_is_named_and_the_newest_intact_one_resumed(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    for step in (5, 10, 15):
+        make_checkpoint(checkpoints, step)
+        tag = checkpoints / f"step{step}"
+        (tag / "mp_rank_00_model_states.pt").write_bytes(b"x" * 40)
+        marker = json.loads((tag / checkpoint.MARKER_FILE).read_text())
+        (tag / checkpoint.MARKER_FILE).write_text(json.dumps({**marker, "files": checkpoint.saved_files(tag)}))
+    assert checkpoint.saved_files(checkpoints / "step5") == {"mp_rank_00_model_states.pt": 40}
+    checkpoint._write_latest(checkpoints, "step15")
+    (checkpoints / "step15" / "mp_rank_00_model_states.pt").write_bytes(b"x" * 12)  # truncated
+    (checkpoints / "step10" / "mp_rank_00_model_states.pt").unlink()
+    lines: list[str] = []
+    assert checkpoint.find_resume_tag(checkpoints, warn=lines.append) == "step5"
+    assert lines == [
+        f"checkpoint step15 is damaged ({checkpoints}/step15/mp_rank_00_model_states.pt: 12 bytes, 40 at save); "
+        "trying step10",
+        f"checkpoint step10 is damaged ({checkpoints}/step10/mp_rank_00_model_states.pt: missing, 40 bytes at save); "
+        "resuming from step5",
+    ]
+    (checkpoints / "step5" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    lines.clear()
+    assert checkpoint.find_resume_tag(checkpoints, warn=lines.append) is None
+    assert lines[-1].endswith("; no intact checkpoint is left")
+    # A marker written before file lists existed is trusted as it is.
+    make_checkpoint(checkpoints, 1)
+    assert checkpoint.find_resume_tag(checkpoints, warn=lines.append) == "step1"
+
+
+def test_a_resumed_data_stream_leaves_the_global_random_state_as_the_uninterrupted_one():
+    """Each DataLoader iterator draws its workers' seed; from the global generator that draw, made once
+    more by a resumed run, would shift dropout's random numbers after the restored state."""
+    import torch
+
+    data = list(range(10))
+
+    def stream(position: checkpoint.DataPosition):
+        sampler = checkpoint.ResumableSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)
+        loader = DataLoader(data, batch_size=3, sampler=sampler, drop_last=True, generator=torch.Generator())
+        return checkpoint.batches(loader, sampler, position, micro=3)
+
+    torch.manual_seed(0)
+    whole = stream(checkpoint.DataPosition())
+    reference = []
+    for _ in range(8):  # three epochs of 3 batches (one record dropped each), and a random draw per batch
+        reference.append((next(whole).tolist(), torch.rand(1).item()))
+    torch.manual_seed(0)
+    position = checkpoint.DataPosition()
+    first = stream(position)
+    seen = [(next(first).tolist(), torch.rand(1).item()) for _ in range(3)]  # saved at an epoch's end
+    saved, state = checkpoint.DataPosition(position.epoch, position.batches), checkpoint.rng_state()
+    torch.manual_seed(123)  # a new process: whatever it drew before the state is restored
+    second = stream(saved)
+    checkpoint.set_rng_state(state)
+    seen += [(next(second).tolist(), torch.rand(1).item()) for _ in range(5)]
+    assert seen == reference

@@ -5,15 +5,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import psutil
 import pytest
+import torch
 
 from tests.conftest import ROOT
 from tests.test_train_e2e import losses, metrics, summary
@@ -226,3 +230,129 @@ def test_a_sweep_rerun_with_resume_auto_resumes_every_job_in_its_own_directory(r
         assert summary(sweep / job)["status"] == "completed"
         assert summary(sweep / job)["resumed_from_step"] == 2
         assert [m["step"] for m in metrics(sweep / job)] == [1, 2]
+
+
+# ----------------------------------------------------------------------------- the resume matrix
+# Resumed from every save point of one uninterrupted run (its directory copied, only the resumed
+# checkpoint kept, as a kill after that save leaves it), each continuation must equal it bitwise: the
+# loss and gradient-norm curves, every rank's random state and the final weights. Data sizes put the
+# save points mid-epoch, on an epoch's end, and before a dropped partial batch (drop_last).
+MATRIX_STEPS, MATRIX_SAVE = 12, 3  # checkpoints at steps 3, 6 and 9 (and 12, the final one)
+MATRIX_RUN = [
+    "logger=none",
+    "train.micro_batch_size=8",
+    f"train.max_steps={MATRIX_STEPS}",
+    f"train.save_every={MATRIX_SAVE}",
+    "train.keep_checkpoints=10",
+    "train.eval_every=4",  # evaluations between checkpoints: the eval loader must not shift the random state
+    "data.eval_accuracy=false",
+    "train.seed=1",
+]
+MATRIX = {  # id: (data= kind, train records, num_workers, world size)
+    "shapes-n24-w0": ("shapes", 24, 0, 1),  # 3 batches an epoch: every save point ends an epoch
+    "shapes-n44-w0": ("shapes", 44, 0, 1),  # 5 batches and 4 records dropped each epoch
+    "shapes-n64-w0": ("shapes", 64, 0, 1),  # 8 batches: save points inside the first and second epoch
+    "llava_json-n24-w2": ("llava_json", 24, 2, 1),
+    "llava_json-n44-w2": ("llava_json", 44, 2, 1),
+    "llava_json-n64-w2": ("llava_json", 64, 2, 1),
+    "shapes-n44-w2-z3-ws2": ("shapes", 44, 2, 2),  # 2 batches a rank and epoch
+}
+
+
+def matrix_args(kind: str, n_train: int, workers: int, world: int, data_dir: Path) -> list[str]:
+    if kind == "shapes":
+        data = [f"data.n_train={n_train}", "data.n_eval=16"]
+    else:  # a file in LLaVA format: the shapes set, written where the test says
+        from launcher.data import generate_shapes
+
+        train_json, eval_json, images = generate_shapes(data_dir, seed=0, n_train=n_train, n_eval=16, image_size=32)
+        data = ["data=llava_json", f"data.path={train_json}", f"data.eval_path={eval_json}"]
+        data.append(f"data.image_root={images}")
+    return [*MATRIX_RUN, *data, f"data.num_workers={workers}", *WORLDS[world]]
+
+
+def resumed_copy(reference: Path, run_dir: Path, step: int, damage: int | None = None) -> None:
+    """`reference` as a kill after step `step`'s save leaves it (and, with `damage`, also checkpoint
+    `damage`, newer, with one of its files truncated)."""
+    shutil.copytree(reference, run_dir)
+    kept = {f"step{step}"} | ({f"step{damage}"} if damage else set())
+    for tag in (run_dir / "checkpoints").iterdir():
+        if tag.name.startswith("step") and tag.name not in kept:
+            shutil.rmtree(tag)
+    (run_dir / "checkpoints" / "latest").write_text(f"step{damage or step}")
+
+
+def final_state(run_dir: Path, world: int) -> tuple[list[Any], bytes]:
+    """Every rank's saved random state at the last step (as plain lists), and the final weights' bytes."""
+    last = run_dir / "checkpoints" / f"step{MATRIX_STEPS}"
+    rng = [plain(torch.load(last / f"launcher_rank{r}.pt", weights_only=False)["rng"]) for r in range(world)]
+    return rng, (run_dir / "model" / "model.safetensors").read_bytes()
+
+
+def plain(value: Any) -> Any:
+    """Tensors and arrays as lists, recursively, so that states compare with ==."""
+    if isinstance(value, torch.Tensor | np.ndarray):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {key: plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(item) for item in value]
+    return value
+
+
+def curves(run_dir: Path) -> dict[str, list[float]]:
+    rows = metrics(run_dir)
+    assert [m["step"] for m in rows] == list(range(1, MATRIX_STEPS + 1))
+    return {key: [m[key] for m in rows] for key in ("train/loss", "train/grad_norm", "train/lr")}
+
+
+@pytest.mark.parametrize("case", list(MATRIX))
+def test_resume_from_every_save_point_is_bitwise_identical(run_train, tmp_path, case):
+    kind, n_train, workers, world = MATRIX[case]
+    reference = tmp_path / "reference"
+    result = run_train(*matrix_args(kind, n_train, workers, world, tmp_path / "data"), f"hydra.run.dir={reference}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected, expected_state = curves(reference), final_state(reference, world)
+    for step in range(MATRIX_SAVE, MATRIX_STEPS, MATRIX_SAVE):
+        run_dir = tmp_path / f"from{step}"
+        resumed_copy(reference, run_dir, step)
+        result = resume(run_train, run_dir)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert summary(run_dir)["resumed_from_step"] == step
+        assert curves(run_dir) == expected, f"{case}: resumed from step {step}"
+        rng, weights = final_state(run_dir, world)
+        assert rng == expected_state[0], f"{case}: random state at step {MATRIX_STEPS}, resumed from step {step}"
+        assert weights == expected_state[1], f"{case}: final weights, resumed from step {step}"
+
+
+def test_a_damaged_newest_checkpoint_is_named_and_the_older_one_resumed(run_train, tmp_path):
+    """A truncated file in the newest checkpoint: one line names it, and the run continues, bitwise,
+    from the checkpoint before it."""
+    reference = tmp_path / "reference"
+    result = run_train(*matrix_args("shapes", 44, 0, 1, tmp_path), f"hydra.run.dir={reference}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    resumed_copy(reference, run_dir, 3, damage=6)
+    damaged = run_dir / "checkpoints" / "step6" / "mp_rank_00_model_states.pt"
+    size = damaged.stat().st_size
+    with open(damaged, "r+b") as handle:
+        handle.truncate(size // 2)
+
+    result = resume(run_train, run_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if "is damaged" in line]
+    expected = f"checkpoint step6 is damaged ({damaged}: {size // 2} bytes, {size} at save); resuming from step3"
+    assert line == f"warning: {expected}"
+    assert summary(run_dir)["status"] == "completed" and summary(run_dir)["resumed_from_step"] == 3
+    assert curves(run_dir) == curves(reference)
+
+    # Every checkpoint damaged: the resume is refused in one line and the finished run is left as it was.
+    for tag in (run_dir / "checkpoints").glob("step*"):
+        with open(tag / "mp_rank_00_model_states.pt", "r+b") as handle:
+            handle.truncate(100)
+    finished = (run_dir / "summary.json").read_bytes()
+    refused = resume(run_train, run_dir)
+    assert refused.returncode == 2
+    (line,) = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert f"every checkpoint in {run_dir / 'checkpoints'} is damaged" in line
+    assert (run_dir / "summary.json").read_bytes() == finished

@@ -219,3 +219,68 @@ def test_a_rank_killed_by_the_kernel_is_recorded_and_leaves_no_process(isolated_
     assert summary["status"] == "failed" and line in summary["error"]
     _, alive = psutil.wait_procs(family, timeout=15)
     assert alive == []
+
+
+# ----------------------------------------------------------------------------- credentials
+@pytest.mark.slow
+def test_credentials_reach_no_file_a_run_writes(isolated_env, tmp_path):
+    """Fake credentials in deepspeed_extra, Hydra's env_set and the environment; every file is grepped
+    (checkpoints, the final model, Hydra's files, W&B's offline run). That the ranks put the real
+    values back is `test_the_ranks_get_the_real_values_back`."""
+    comet_key = "sk-" + "c" * 32
+    hf_token = "hf_" + "h" * 30
+    wandb_key = "w" * 40
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "train.max_steps=2",
+            "train.save_every=1",
+            "train.micro_batch_size=4",
+            "train.eval_every=0",
+            "data.eval_accuracy=false",
+            "+deepspeed_extra.comet.enabled=false",
+            f"+deepspeed_extra.comet.api_key={comet_key}",
+            f"+hydra.job.env_set.HF_TOKEN={hf_token}",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=ROOT,
+        env={**isolated_env, "WANDB_API_KEY": wandb_key, "WANDB_DIR": str(run_dir)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    files = [path for path in run_dir.rglob("*") if path.is_file()]
+    assert any(path.suffix == ".pt" for path in files) and any("wandb" in path.parts for path in files)
+    for path in files:
+        content = path.read_bytes()
+        for secret in (comet_key, hf_token, wandb_key):
+            assert secret.encode() not in content, f"{secret[:6]}... in {path.relative_to(run_dir)}"
+    ds_config = json.loads((run_dir / "ds_config.json").read_text())
+    assert ds_config["comet"]["api_key"] == "<redacted>"
+
+
+def test_the_ranks_get_the_real_values_back(tmp_path, monkeypatch):
+    """What the launcher writes and hands over, and what a rank rebuilds from it, as the recipe does."""
+    from launcher import credentials
+    from launcher.ds_config import Device, build_ds_config
+    from tests.conftest import compose_plain
+
+    base = tmp_path / "ds.json"
+    base.write_text(json.dumps({"wandb": {"enabled": False, "api_key": "sk-" + "b" * 30}}))
+    overrides = [f"deepspeed_json={base}", "+deepspeed_extra.comet.enabled=false", "+deepspeed_extra.comet.api_key=k1"]
+    cfg = compose_plain(overrides)
+    from launcher.job import load_deepspeed_json
+
+    device = Device("cpu", bf16=True, fp16=False)
+    real = build_ds_config(cfg, world_size=1, hidden_size=64, device=device, base=load_deepspeed_json(str(base)))
+    on_disk = json.loads(json.dumps(credentials.split(real)[0]))
+    assert on_disk["comet"]["api_key"] == on_disk["wandb"]["api_key"] == "<redacted>"
+    public_cfg, cfg_secrets = credentials.split(cfg)
+    assert public_cfg["deepspeed_extra"]["comet"]["api_key"] == "<redacted>"
+    monkeypatch.setenv(*next(iter(credentials.for_ranks(cfg_secrets).items())))
+    rank_cfg = credentials.restore(json.loads(json.dumps(public_cfg)), credentials.from_environment())
+    assert rank_cfg == cfg
+    assert credentials.restore(on_disk, credentials.of_deepspeed_dict(rank_cfg)) == real
