@@ -47,7 +47,8 @@ CHECKPOINT_DIR = "checkpoints"
 LATEST_FILE = "latest"
 MARKER_FILE = "launcher_complete.json"
 STOP_FILE = "stop_requested"
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)  # USR2: submitit's preemption signal
+# USR2: submitit's preemption signal; INT (Ctrl-C) stops as cleanly as TERM.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 # Test hook: seconds to sleep after DeepSpeed wrote a checkpoint and before it is marked complete.
 SLOW_SAVE_ENV = "LAUNCHER_TEST_SLOW_SAVE"
 

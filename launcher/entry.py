@@ -296,9 +296,12 @@ def _record_failure(cfg: DictConfig, run_dir: RunDir, hydra: HydraJob, err: Laun
     message = one_line(err)
     job = credentials.split({"overrides": list(hydra.overrides), "choices": dict(hydra.choices)})[0]
     summary = run_dir.read_summary() or Summary.for_job(job)
-    status = "interrupted" if isinstance(err, Interrupted) else "failed"
-    summary.failed(message, wall_s=time.time() - started, status=status)
-    run_dir.write_summary(summary)
+    # A resume that failed before its ranks took the run over (they write "running" once its checkpoint
+    # has loaded) earned no summary: the run's says how it last ended, and stays.
+    if not (cfg.resume and summary.status in ("completed", "preempted")):
+        status = "interrupted" if isinstance(err, Interrupted) else "failed"
+        summary.failed(message, wall_s=time.time() - started, status=status)
+        run_dir.write_summary(summary)
     if cfg.dist.launcher == "slurm":
         record_rank_error(run_dir.path, 0, message, err.exit_code, traceback.format_exc(), launch=launch_id(cfg))
 

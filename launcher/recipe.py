@@ -187,9 +187,12 @@ def train(cfg: DictConfig, run_dir: Path) -> Summary:
             )
         if place.is_main:
             _setup_rank0_log(directory)
-            directory.write_summary(summary)
+            if not job.get("resume_tag"):  # a resume writes its summary once its checkpoint has loaded
+                directory.write_summary(summary)
         session = Session(cfg=cfg, run_dir=directory, job=job, rank=place, summary=summary)
         setup(session)
+        if place.is_main and job.get("resume_tag"):
+            directory.write_summary(summary)
         stopped_at = None
         for step in range(session.start_step + 1, int(cfg.train.max_steps) + 1):
             metrics = train_step(session, step)
@@ -203,14 +206,16 @@ def train(cfg: DictConfig, run_dir: Path) -> Summary:
                 save(session, step)
         return finish(session, stopped_at)
     except BaseException as err:
-        raise _failed(err, directory, rank, summary, session) from err
+        raise _failed(err, directory, rank, summary, session, resuming=bool(job.get("resume_tag"))) from err
     finally:
         # Without this, rank 0 aborts at exit ("terminate called without an active exception").
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
 
-def _failed(err: BaseException, run_dir: RunDir, rank: int, summary: Summary, session: Session | None) -> BaseException:
+def _failed(
+    err: BaseException, run_dir: RunDir, rank: int, summary: Summary, session: Session | None, *, resuming: bool
+) -> BaseException:
     """Record how this rank failed (errors/, rank 0's summary and W&B run); the exception to raise."""
     status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
     message = one_line(err)
@@ -223,7 +228,8 @@ def _failed(err: BaseException, run_dir: RunDir, rank: int, summary: Summary, se
     # Best effort: on a full disk these writes fail too, and must not hide the error itself.
     with contextlib.suppress(OSError):
         trace_file = record_rank_error(run_dir.path, rank, message, exit_code, traceback.format_exc())
-    if rank == 0:
+    # A resume that failed before its checkpoint loaded has earned no summary: the run's stays as it was.
+    if rank == 0 and (not resuming or (session is not None and session.start_step > 0)):
         with contextlib.suppress(OSError):
             run_dir.write_summary(summary)
         if session is not None and session.logger is not None:
@@ -338,7 +344,12 @@ def setup_data(s: Session, records: list[dict], eval_records: list[dict], skippe
         train_set, num_replicas=rank.world_size, rank=rank.rank, shuffle=True, seed=int(cfg.train.seed)
     )
     workers = int(cfg.data.num_workers)
-    loader_args = {"num_workers": workers, "persistent_workers": workers > 0, "collate_fn": Collator(s.processor)}
+    loader_args = {
+        "num_workers": workers,
+        "persistent_workers": workers > 0,
+        "collate_fn": Collator(s.processor),
+        "worker_init_fn": _die_with_rank,  # no DataLoader worker outlives a rank killed by a signal
+    }
     # Each loader draws its workers' seed from a generator of its own, not from the global one (whose
     # restored state a resumed run's extra draws would shift): see checkpoint.batches.
     train_loader = DataLoader(
@@ -564,6 +575,12 @@ def _save_model(engine: Any, processor: Any, out: Path, is_main: bool) -> None:
 
 
 # ----------------------------------------------------------------------------- helpers
+def _die_with_rank(_worker_id: int) -> None:
+    from launcher.processes import die_with_parent
+
+    die_with_parent()
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)

@@ -284,3 +284,24 @@ def test_the_ranks_get_the_real_values_back(tmp_path, monkeypatch):
     rank_cfg = credentials.restore(json.loads(json.dumps(public_cfg)), credentials.from_environment())
     assert rank_cfg == cfg
     assert credentials.restore(on_disk, credentials.of_deepspeed_dict(rank_cfg)) == real
+
+
+@pytest.mark.slow
+def test_a_resume_that_fails_to_load_leaves_the_runs_summary_alone(run_train, finished, tmp_path):
+    """Damage the file sizes cannot show (a marker written before they were recorded): DeepSpeed's load
+    fails on the rank, one line names the checkpoint, and the run's summary still says "completed"."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    marker = run / "checkpoints" / "step4" / "launcher_complete.json"
+    marker.write_text(json.dumps({k: v for k, v in json.loads(marker.read_text()).items() if k != "files"}))
+    states = next((run / "checkpoints" / "step4").glob("mp_rank_00_model_states.pt"))
+    states.write_bytes(states.read_bytes()[: states.stat().st_size // 2])
+    summary_before = (run / "summary.json").read_bytes()
+    result = run_train(f"resume={run}", "train.max_steps=6", timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"cannot load checkpoint {run}/checkpoints/step4" in errors[0]
+    assert "Traceback" not in result.stderr
+    assert (run / "summary.json").read_bytes() == summary_before
