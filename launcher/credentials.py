@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from launcher.wandb_logger import REDACTED, redact, redact_override
+from launcher.wandb_logger import redact, redact_override
 
 SECRETS_ENV = "VLM_LAUNCHER_SECRETS"
 
@@ -94,7 +94,3 @@ def redact_hydra_files(hydra_dir: Path, public_config: dict[str, Any] | None) ->
             hydra_yaml.write_text(yaml.safe_dump(public, default_flow_style=False, sort_keys=False))
     if public_config is not None:
         (hydra_dir / "config.yaml").write_text(yaml.safe_dump(public_config, default_flow_style=False, sort_keys=False))
-
-
-def is_redacted(value: Any) -> bool:
-    return value == REDACTED

@@ -232,6 +232,7 @@ def run_job(
 
     `hydra` describes the job (default: the one Hydra runs now). `on_accept` runs once the job is
     accepted, before anything is written into the run directory (a resume writes its .hydra files)."""
+    stop_during_start_up()
     from launcher.processes import launch_id, slurm_global_rank
 
     hydra = hydra or HydraJob.from_hydra()
@@ -242,7 +243,6 @@ def run_job(
         return math.nan
     started = time.time()
     accepted = False
-    stop_during_start_up()
     try:
         spec = plan_job(cfg, hydra)
         check_inputs(cfg, spec, launching=not cfg.dry_run)

@@ -13,7 +13,6 @@ as one line, instead of every rank's and the launcher's own tracebacks.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
@@ -24,6 +23,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from launcher.children import die_with_parent
 from launcher.errors import Interrupted, LauncherError, TrainingFailed, clear_rank_errors, first_rank_error
 from launcher.job import JobSpec
 from launcher.rundir import RunDir, Summary
@@ -260,17 +260,6 @@ def train_as_slurm_task(cfg: DictConfig, run_dir: Path, planned_world_size: int)
     from launcher.recipe import train
 
     return train(cfg, run_dir)
-
-
-def die_with_parent() -> None:
-    """In a child process: the kernel sends it SIGKILL when its parent dies (Linux; elsewhere nothing).
-
-    So a launcher killed by SIGKILL or the out-of-memory killer leaves no rank or data worker behind."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):  # not Linux: no such call
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 def _signal_name(returncode: int) -> str | None:

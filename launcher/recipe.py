@@ -576,7 +576,7 @@ def _save_model(engine: Any, processor: Any, out: Path, is_main: bool) -> None:
 
 # ----------------------------------------------------------------------------- helpers
 def _die_with_rank(_worker_id: int) -> None:
-    from launcher.processes import die_with_parent
+    from launcher.children import die_with_parent
 
     die_with_parent()
 

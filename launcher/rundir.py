@@ -262,15 +262,3 @@ def directory_problem(path: Path) -> str | None:
 
 def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
-
-
-def write_failed_summary(run_dir: Path, job: dict[str, Any], error: str, *, wall_s: float) -> None:
-    """A job that could not start still leaves a summary saying why (sweeps list it as failed)."""
-    directory = RunDir(Path(run_dir))
-    summary = directory.read_summary() or Summary.for_job(job)
-    summary.failed(error, wall_s=wall_s)
-    directory.write_summary(summary)
-
-
-def append_metrics(run_dir: Path, record: dict[str, Any]) -> None:
-    RunDir(Path(run_dir)).append_metrics(record)

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    from launcher.processes import die_with_parent
+    from launcher.children import die_with_parent
 
     die_with_parent()  # a rank outlives neither the launcher nor torch's launcher that started it
     cfg = OmegaConf.load(args.run_dir / ".hydra" / "config.yaml")

@@ -184,10 +184,16 @@ def test_resume_auto_starts_fresh_then_resumes_and_a_mismatch_is_one_line(run_tr
     first = run_train(*args, timeout=900)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "starting fresh" in first.stderr and "resumed_from_step" not in summary(run_dir)
+    finished = summary(run_dir)
     again = run_train(*args, timeout=900)  # a requeued job: same command, same directory
     assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resume: {run_dir} already finished at step 2" in again.stderr  # a finished run stays as it is
+    assert summary(run_dir) == finished
+    longer = [arg if arg != "train.max_steps=2" else "train.max_steps=3" for arg in args]
+    more = run_train(*longer, timeout=900)  # the same job given more steps: continues from its checkpoint
+    assert more.returncode == 0, more.stderr[-3000:]
     assert summary(run_dir)["resumed_from_step"] == 2
-    assert [m["step"] for m in metrics(run_dir)] == [1, 2]
+    assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3]
 
     mismatch = run_train(f"resume={run_dir}", "deepspeed=z2", timeout=300)
     assert mismatch.returncode == 2
@@ -223,13 +229,15 @@ def test_a_sweep_rerun_with_resume_auto_resumes_every_job_in_its_own_directory(r
     """A requeued sweep: the same command and sweep directory; each job continues from its checkpoint."""
     sweep = tmp_path / "sweep"
     args = ["-m", "deepspeed=z0,z2", *RUN, "train.max_steps=2", "resume=auto", f"hydra.sweep.dir={sweep}"]
-    for attempt in (1, 2):
-        result = run_train(*args, timeout=900)
+    longer = [arg if arg != "train.max_steps=2" else "train.max_steps=3" for arg in args]
+    for attempt, command in enumerate((args, longer, longer)):
+        result = run_train(*command, timeout=900)
         assert result.returncode == 0, (attempt, result.stderr[-3000:])
+    assert result.stderr.count("already finished at step 3") == 2  # the third: nothing left to train
     for job in ("0", "1"):
         assert summary(sweep / job)["status"] == "completed"
         assert summary(sweep / job)["resumed_from_step"] == 2
-        assert [m["step"] for m in metrics(sweep / job)] == [1, 2]
+        assert [m["step"] for m in metrics(sweep / job)] == [1, 2, 3]
 
 
 # ----------------------------------------------------------------------------- the resume matrix

@@ -170,7 +170,7 @@ def test_a_signal_while_the_job_is_planned_is_recorded(isolated_env, tmp_path, s
     run_dir = tmp_path / "run"
     job = _train(*SHORT, "train.max_steps=5", f"hydra.run.dir={run_dir}", env=isolated_env)
     _wait_for(lambda: (run_dir / ".hydra" / "config.yaml").exists())  # Hydra is done: run_job plans now
-    time.sleep(0.3)
+    time.sleep(1.0)  # into the plan (DeepSpeed's import and the memory estimate take seconds)
     job.send_signal(getattr(signal, signum))
     _, err = job.communicate(timeout=300)
     summary = _summary(run_dir)
