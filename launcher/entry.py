@@ -233,7 +233,7 @@ def run_job(
     `hydra` describes the job (default: the one Hydra runs now). `on_accept` runs once the job is
     accepted, before anything is written into the run directory (a resume writes its .hydra files)."""
     stop_during_start_up()
-    from launcher.processes import launch_id, slurm_global_rank
+    from launcher.processes import slurm_global_rank
 
     hydra = hydra or HydraJob.from_hydra()
     run_dir = RunDir(hydra.run_dir)
@@ -258,19 +258,12 @@ def run_job(
         accepted = True
         if on_accept is not None:
             on_accept()
-        # Credentials stay out of every file; the ranks get the config's real values from launch().
-        public_cfg, cfg_secrets = credentials.split(plain(cfg))
-        credentials.redact_hydra_files(run_dir.hydra, public_cfg if cfg_secrets else None)
-        public_ds = credentials.split(spec.ds_config)[0]
-        write_json_atomic(run_dir.ds_config, public_ds)
+        secret_env = write_plan(cfg, spec, run_dir)
         if cfg.dry_run:
-            print(json.dumps(public_ds, indent=2))
-            print(f"dry run: wrote {run_dir.ds_config}; nothing trained", file=sys.stderr)
             return None
-        write_json_atomic(run_dir.job, credentials.split({**spec.to_json(), "launch_id": launch_id(cfg)})[0])
         from launcher.processes import launch
 
-        summary = launch(cfg, spec, credentials.for_ranks(cfg_secrets))
+        summary = launch(cfg, spec, secret_env)
     except LauncherError as err:
         message = one_line(err)
         if accepted or on_accept is None:  # a refused resume leaves the run it would have continued as it was
@@ -287,6 +280,25 @@ def run_job(
             sys.exit(PREEMPTED_EXIT_CODE)
         return math.nan
     return math.nan if summary.objective is None else float(summary.objective)
+
+
+def write_plan(cfg: DictConfig, spec: JobSpec, run_dir: RunDir) -> dict[str, str]:
+    """The accepted job's files (ds_config.json; job.json unless a dry run, which prints the dict).
+
+    Credentials stay out of every file, Hydra's included; the returned environment entry hands the
+    config's real values to the ranks."""
+    from launcher.processes import launch_id
+
+    public_cfg, cfg_secrets = credentials.split(plain(cfg))
+    credentials.redact_hydra_files(run_dir.hydra, public_cfg if cfg_secrets else None)
+    public_ds = credentials.split(spec.ds_config)[0]
+    write_json_atomic(run_dir.ds_config, public_ds)
+    if cfg.dry_run:
+        print(json.dumps(public_ds, indent=2))
+        print(f"dry run: wrote {run_dir.ds_config}; nothing trained", file=sys.stderr)
+    else:
+        write_json_atomic(run_dir.job, credentials.split({**spec.to_json(), "launch_id": launch_id(cfg)})[0])
+    return credentials.for_ranks(cfg_secrets)
 
 
 def _record_failure(cfg: DictConfig, run_dir: RunDir, hydra: HydraJob, err: LauncherError, started: float) -> None:
