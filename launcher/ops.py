@@ -24,7 +24,7 @@ log = logging.getLogger("launcher")
 _prepared = False
 
 
-def prepare_ops(*, world_size: int) -> None:
+def prepare_ops() -> None:
     """Call before `deepspeed.init_distributed`: one ninja, no shared-memory comm op, builds announced."""
     global _prepared
     if _prepared:

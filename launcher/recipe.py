@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher import checkpoint, credentials
 from launcher.errors import LauncherError, TrainingFailed, one_line, record_rank_error
+from launcher.job import plain
 from launcher.rundir import RunDir, Summary, read_json
 from launcher.schema import OBJECTIVES
 
@@ -65,7 +66,7 @@ def init_distributed(cfg: DictConfig) -> Rank:
     from launcher.ops import prepare_ops
 
     _quiet_libraries()
-    prepare_ops(world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    prepare_ops()
     accelerator = get_accelerator()
     backend = str(cfg.dist.backend)
     if backend == "auto":
@@ -246,7 +247,7 @@ def setup(s: Session) -> None:
     """Data, model, engine, resume, logger: everything the first step needs."""
     cfg, rank = s.cfg, s.rank
     # ds_config.json holds "<redacted>" for credentials: DeepSpeed gets the real values.
-    ds_config = credentials.restore(read_json(s.run_dir.ds_config), credentials.of_deepspeed_dict(_plain(cfg)))
+    ds_config = credentials.restore(read_json(s.run_dir.ds_config), credentials.of_deepspeed_dict(plain(cfg)))
     _seed_everything(int(cfg.train.seed))
     cache = Path(cfg.cache_dir).expanduser().absolute()
     records, eval_records, skipped = load_data(cfg, cache, rank, micro=int(ds_config["train_micro_batch_size_per_gpu"]))
@@ -703,10 +704,6 @@ def _print_final_table(summary: Summary, run_dir: RunDir) -> None:
     print("\n".join(["", "run summary", *lines]), flush=True)
 
 
-def _plain(cfg: DictConfig) -> dict[str, Any]:
-    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
-
-
 def _start_logger(s: Session, ds_config: dict[str, Any]) -> Any:
     """The W&B run of rank 0 (None when logger=none or W&B is disabled)."""
     if not s.cfg.logger.enabled:
@@ -714,7 +711,7 @@ def _start_logger(s: Session, ds_config: dict[str, Any]) -> Any:
     from launcher import wandb_logger
 
     return wandb_logger.start_for_job(
-        cfg=_plain(s.cfg),
+        cfg=plain(s.cfg),
         run_dir=s.run_dir.path,
         job=s.job,
         ds_config=ds_config,

@@ -17,6 +17,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from launcher.errors import LauncherError
+from launcher.rundir import RunDir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     from launcher.children import die_with_parent
 
     die_with_parent()  # a rank outlives neither the launcher nor torch's launcher that started it
-    cfg = OmegaConf.load(args.run_dir / ".hydra" / "config.yaml")
+    cfg = OmegaConf.load(RunDir(args.run_dir).config)
     from launcher.recipe import train
 
     try:

@@ -17,6 +17,7 @@ import pytest
 
 from launcher.rundir import RunDir, Summary
 from tests.conftest import ROOT
+from tests.test_bad_input import _files
 
 SHORT = ["logger=none", "train.micro_batch_size=4", "train.eval_every=0", "data.eval_accuracy=false"]
 
@@ -113,14 +114,6 @@ def finished(tmp_path_factory) -> Path:
     return run_dir
 
 
-def _snapshot(run_dir: Path) -> dict[str, bytes]:
-    return {
-        str(path.relative_to(run_dir)): path.read_bytes()
-        for path in sorted(run_dir.rglob("*"))
-        if path.is_file() and path.name not in ("train.log", ".lock")
-    }
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "code", "message"),
@@ -140,12 +133,12 @@ def test_resuming_a_finished_run_leaves_it_as_it_was(run_train, finished, tmp_pa
 
     run = tmp_path / "run"
     shutil.copytree(finished, run)
-    before = _snapshot(run)
+    before = _files(run)
     result = run_train(*[arg.format(run=run) for arg in args], timeout=300)
     assert result.returncode == code, result.stderr[-3000:]
     assert message.format(run=run) in result.stderr
     assert "Traceback" not in result.stderr
-    assert _snapshot(run) == before  # summary, metrics, checkpoints, model, .hydra: untouched
+    assert _files(run) == before  # summary, metrics, checkpoints, model, .hydra: untouched
 
 
 # ----------------------------------------------------------------------------- how a job ends
