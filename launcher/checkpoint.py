@@ -126,16 +126,32 @@ def read_marker(checkpoints: Path, tag: str) -> dict[str, Any]:
     return read_json(checkpoints / tag / MARKER_FILE)
 
 
+RESUMABLE_CHANGES = {
+    "model": {
+        "attn_implementation",
+        "gradient_checkpointing",
+        "vision_gradient_checkpointing",
+        "min_pixels",
+        "max_pixels",
+    }
+}
+
+
 def incompatibilities(marker: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """What differs between the job that wrote a checkpoint and this one ("key: old -> new")."""
+    """What differs between the job that wrote a checkpoint and this one ("key: old -> new").
+
+    How the model runs (attention kernel, activation checkpointing, image resolution) may change on a
+    resume: the weights are the same. A key the checkpoint does not record (an older launcher's) is
+    not compared."""
     differences = []
     for key in ("world_size", "zero_stage", "precision"):
         if marker.get(key) != current.get(key):
             differences.append(f"{key} {marker.get(key)} -> {current.get(key)}")
-    old_model, new_model = marker.get("model") or {}, current.get("model") or {}
-    for key in sorted(set(old_model) | set(new_model)):
-        if old_model.get(key) != new_model.get(key):
-            differences.append(f"model.{key} {old_model.get(key)} -> {new_model.get(key)}")
+    for group in ("model", "method"):
+        old, new = marker.get(group) or {}, current.get(group) or {}
+        for key in sorted(set(old) - RESUMABLE_CHANGES.get(group, set())):
+            if old.get(key) != new.get(key):
+                differences.append(f"{group}.{key} {old.get(key)} -> {new.get(key)}")
     return differences
 
 

@@ -33,6 +33,12 @@ from launcher.errors import LauncherError
 IGNORE_INDEX = -100  # label value the loss skips
 IMAGE_PLACEHOLDER = "<image>"
 QUESTION = "what is in the image?"
+COLOUR_QUESTION = "what colour is the shape?"
+# The built-in set's tasks (data.task): the question each asks, and its answer from (colour, shape).
+TASKS = {
+    "shape": (QUESTION, lambda colour, shape: f"{colour} {shape}"),
+    "colour": (COLOUR_QUESTION, lambda colour, shape: colour),
+}
 
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
@@ -57,18 +63,26 @@ SHAPE_EXTENT = (0.5, 0.9)
 _SHAPES_MARKER = "shapes.json"
 
 
-def generate_shapes(out_dir: Path, *, seed: int, n_train: int, n_eval: int, image_size: int) -> tuple[Path, Path, Path]:
+def generate_shapes(
+    out_dir: Path, *, seed: int, n_train: int, n_eval: int, image_size: int, task: str = "shape"
+) -> tuple[Path, Path, Path]:
     """Write a deterministic coloured-shapes question set; return (train json, eval json, image root).
 
-    Each image holds one shape (6 colours x 3 shapes = 18 answers such as "red circle") at a random
-    position and size (SHAPE_EXTENT) on a lightly noisy background, with jittered colours. Classes are
-    balanced; the eval split holds images that do not occur in the train split. The files are ordinary
-    LLaVA-format records + PNGs, so they go through the same loader as user data. A complete set for the
-    same arguments is reused; a new one is written to a temporary directory and renamed into place.
+    Each image holds one shape (6 colours x 3 shapes) at a random position and size (SHAPE_EXTENT) on a
+    lightly noisy background, with jittered colours. `task` picks the question: "shape" asks what is in
+    the image (18 answers such as "red circle"), "colour" asks the shape's colour (6 answers such as
+    "red"); the images are the same for the same seed whatever the task. Classes are balanced; the eval
+    split holds images that do not occur in the train split. The files are ordinary LLaVA-format records
+    + PNGs, so they go through the same loader as user data. A complete set for the same arguments is
+    reused; a new one is written to a temporary directory and renamed into place.
     """
+    if task not in TASKS:
+        raise LauncherError(f"data.task={task} is not a task of the built-in set: choose one of {', '.join(TASKS)}")
+    question, answer = TASKS[task]
     out_dir = Path(out_dir)
     arguments = {
         "version": _SHAPES_VERSION,
+        "task": task,
         "seed": seed,
         "n_train": n_train,
         "n_eval": n_eval,
@@ -99,8 +113,8 @@ def generate_shapes(out_dir: Path, *, seed: int, n_train: int, n_eval: int, imag
                         "id": f"{split}-{index:05d}",
                         "image": name,
                         "conversations": [
-                            {"from": "human", "value": f"{IMAGE_PLACEHOLDER}\n{QUESTION}"},
-                            {"from": "gpt", "value": f"{colour} {shape}"},
+                            {"from": "human", "value": f"{IMAGE_PLACEHOLDER}\n{question}"},
+                            {"from": "gpt", "value": answer(colour, shape)},
                         ],
                     }
                 )
@@ -499,9 +513,10 @@ def exact_match_accuracy(
 def prepare_data(data: Any, cache: Path) -> tuple[Path, Path | None, Path]:
     """The train file, eval file and image root of the `data` config; the built-in set is generated first."""
     if data.synthetic:
-        out = cache / "data" / f"{data.name}_seed{data.seed}_n{data.n_train}_{data.n_eval}_px{data.image_size}"
+        task = str(data.get("task") or "shape")  # a config saved before data.task existed asks "shape"
+        out = cache / "data" / f"{data.name}_{task}_seed{data.seed}_n{data.n_train}_{data.n_eval}_px{data.image_size}"
         train_file, eval_file, image_root = generate_shapes(
-            out, seed=data.seed, n_train=data.n_train, n_eval=data.n_eval, image_size=data.image_size
+            out, seed=data.seed, n_train=data.n_train, n_eval=data.n_eval, image_size=data.image_size, task=task
         )
         return Path(train_file), Path(eval_file), Path(image_root)
     if not data.path:

@@ -143,7 +143,8 @@ def resume_tag(cfg: DictConfig, spec: JobSpec) -> str | None:
 
 
 def check_resumable(run_dir: RunDir, tag: str, spec: JobSpec) -> None:
-    """Refuse, in one line, to resume a checkpoint written by a different world size, model or ZeRO stage."""
+    """Refuse, in one line, to resume a checkpoint written by a different world size, model, method or
+    ZeRO stage."""
     from launcher.checkpoint import incompatibilities, read_marker
 
     current = {
@@ -151,6 +152,7 @@ def check_resumable(run_dir: RunDir, tag: str, spec: JobSpec) -> None:
         "zero_stage": spec.zero_stage,
         "precision": spec.precision,
         "model": spec.model,
+        "method": spec.method,
     }
     differences = incompatibilities(read_marker(run_dir.checkpoints, tag), current)
     if differences:
@@ -186,12 +188,15 @@ def check_inputs(cfg: DictConfig, spec: JobSpec, *, launching: bool) -> None:
     """What the ranks would stop on, checked here so that it stops the job before any rank starts.
 
     Data files and loader settings, the cache directory, a local model directory's weights, a tiny
-    model's records (read anyway for its vocabulary), and whether this machine has a device for every
+    model's records (read anyway for its vocabulary), the method (adapter targets, 4-bit loading), the
+    attention kernel and image resolution, and whether this machine has a device for every
     rank it would start (not for a dry run, which may plan a job for a bigger machine)."""
+    from launcher.method import check_method
     from launcher.validate import (
         check_cache_dir,
         check_data,
         check_local_ranks,
+        check_model_choices,
         check_model_files,
         check_tiny_model_records,
     )
@@ -202,6 +207,8 @@ def check_inputs(cfg: DictConfig, spec: JobSpec, *, launching: bool) -> None:
     check_tiny_model_records(
         cfg, micro_batch=spec.ds_config["train_micro_batch_size_per_gpu"], world_size=spec.world_size
     )
+    check_method(cfg, spec.device.kind, launching=launching)
+    check_model_choices(cfg, spec.device.kind, spec.precision)
     if launching:
         check_local_ranks(cfg.dist, spec.device.kind)
 

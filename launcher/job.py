@@ -69,6 +69,7 @@ class JobSpec:
     explicit_groups: frozenset[str]
     ds_config: dict[str, Any]
     model: dict[str, Any]  # the model config, as composed
+    method: dict[str, Any]  # what trains (the method group), as composed
     resume_tag: str | None = None
 
     @property
@@ -98,6 +99,7 @@ class JobSpec:
             "precision": self.precision,
             "zero_stage": self.zero_stage,
             "model": self.model,
+            "method": self.method,
             "resume_tag": self.resume_tag,
         }
 
@@ -199,6 +201,7 @@ def plan_job(
         explicit_groups=explicit,
         ds_config=ds,
         model=plain(cfg.model),
+        method=plain(cfg.method),
         resume_tag=None,
     )
 

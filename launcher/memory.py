@@ -228,6 +228,7 @@ class ModelStats:
     image_tokens: int  # language-model tokens per image
     projector_width: int  # elements the projector keeps per language-model image token
     load_bytes: int = 4  # bytes per parameter of the checkpoint as it is loaded into CPU memory
+    checkpointed: tuple[str, ...] = ()  # components whose layers are checkpointed: language, vision
 
     def persistent(self, threshold: int) -> int:
         """Parameters stage 3 keeps whole on every rank: those of at most `threshold` elements."""
@@ -239,13 +240,17 @@ def activation_bytes(stats: ModelStats, layout: Layout, *, seq_len: int, images:
 
     b = micro batch, s = language-model tokens per sample (text + image tokens), e = bytes per
     element, per layer and token (elements), measured on transformers 5.24 layers with PyTorch's
-    scaled-dot-product attention (which keeps no s x s score matrix) and no activation checkpointing:
+    scaled-dot-product attention (which keeps no s x s score matrix):
       language layer (Llama/Qwen2: RMSNorm, rotary attention, gated MLP):
-          10 h + 2 kv + 4 i   in bf16/fp16 (8 h + ... in fp32: RMSNorm's fp32 upcast is then free)
-      vision layer (CLIP / Qwen2-VL ViT: LayerNorm, attention, plain MLP): 12 h + 2 i (4 i if gated)
+          A = 10 h + 2 kv + 4 i   in bf16/fp16 (8 h + ... in fp32: RMSNorm's fp32 upcast is then free)
+      vision layer (CLIP / Qwen2-VL ViT: LayerNorm, attention, plain MLP): A_v = 12 h + 2 i (4 i if gated)
       projector: about 2 (h_vision m^2 + h) per image token (m: patch merge, 1 for LLaVA)
       logits: s V (2 e + 8) bytes: the logits, their fp32 copy for the loss, and the gradients of both
-    activations = b [e s (L (10 h + 2 kv + 4 i) + 3 h) + e n_img v L_v (12 h_v + 2 i_v) + projector + logits]
+    activations = b [e s (L A + 3 h) + e n_img v L_v A_v + projector + logits]
+    With gradient checkpointing (non-reentrant) a checkpointed stack keeps only each layer's input
+    hidden state, and one layer's activations are recomputed at a time during backward: L A becomes
+    L h + A for the language model (model.gradient_checkpointing), L_v A_v becomes L_v h_v + A_v for
+    the vision tower (model.vision_gradient_checkpointing).
     A component's activations count only when something at or before it trains (vision -> projector
     -> language): a frozen vision tower keeps nothing for backward.
     """
@@ -258,15 +263,25 @@ def activation_bytes(stats: ModelStats, layout: Layout, *, seq_len: int, images:
     norms = 8 if layout.dtype == "fp32" else 10
     per_layer = norms * text.hidden + 2 * kv + (4 if text.gated else 2) * text.intermediate
     final_norm = (2 if layout.dtype == "fp32" else 3) * text.hidden
-    elements = seq_len * (text.layers * per_layer + final_norm)
+    layers = _kept_per_token(text.layers, per_layer, text.hidden, "language" in stats.checkpointed)
+    elements = seq_len * (layers + final_norm)
     if trains["vision"]:
         vision = stats.vision
         vision_layer = 12 * vision.hidden + (4 if vision.gated else 2) * vision.intermediate
-        elements += images * stats.vision_tokens * vision.layers * vision_layer
+        kept = _kept_per_token(vision.layers, vision_layer, vision.hidden, "vision" in stats.checkpointed)
+        elements += images * stats.vision_tokens * kept
     if trains["vision"] or trains["projector"]:
         elements += images * stats.image_tokens * stats.projector_width
     logits = seq_len * stats.vocab_size * (2 * e + 8)
     return layout.micro_batch * (e * elements + logits)
+
+
+def _kept_per_token(layers: int, per_layer: int, hidden: int, checkpointed: bool) -> int:
+    """Elements a stack of layers keeps per token: every layer's activations, or (checkpointed) each
+    layer's input plus the one layer recomputed during backward."""
+    if not checkpointed or layers == 0:
+        return layers * per_layer
+    return layers * hidden + per_layer
 
 
 @dataclass(frozen=True)

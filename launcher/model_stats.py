@@ -43,6 +43,7 @@ def model_stats(cfg: DictConfig, *, path: str | None = None) -> ModelStats:
     import torch
     from transformers import AutoModelForImageTextToText
 
+    from launcher.method import apply_method, parameter_counts, trainable_components, uses_adapters
     from launcher.models import apply_freeze, read_config
 
     path = path or model_dir(cfg)
@@ -58,6 +59,11 @@ def model_stats(cfg: DictConfig, *, path: str | None = None) -> ModelStats:
         "language": bool(cfg.model.freeze_language),
     }
     counts = apply_freeze(model, **freeze)
+    if uses_adapters(cfg.method):  # LoRA on the meta model: adapters counted, nothing allocated
+        model = apply_method(model, cfg.method, cfg.model).get_base_model()
+        counts = parameter_counts(model)
+        trains = trainable_components(model)
+        freeze = {name: name not in trains for name in freeze}
     try:
         return _stats(cfg, config, model, counts, freeze)
     except AttributeError as err:  # a config without the fields of the layouts known here
@@ -108,6 +114,11 @@ def _stats(cfg: DictConfig, config, model, counts: dict[str, int], freeze: dict[
         image_tokens=image_tokens,
         projector_width=2 * (vision_hidden * merge * merge + text.hidden),
         load_bytes=_dtype_bytes(getattr(config, "dtype", None)),
+        checkpointed=tuple(
+            name
+            for name, key in (("language", "gradient_checkpointing"), ("vision", "vision_gradient_checkpointing"))
+            if cfg.model.get(key)
+        ),
     )
 
 
@@ -122,15 +133,36 @@ def _image_tokens(cfg: DictConfig, config) -> tuple[int, int, int]:
     LLaVA: (image_size / patch)^2 patches, plus CLIP's class token in the tower; the "default"
     feature strategy drops it again. Qwen2-VL (dynamic resolution): a square image of plan.image_size
     pixels (default 448; a tiny model's own image size) rounded to whole merged patches; the merger
-    turns m x m patches into one language-model token.
+    turns m x m patches into one language-model token. With model.min_pixels / model.max_pixels set,
+    the image is resized as the processor resizes it (Qwen2-VL's smart_resize): its pixel count is
+    brought into [min_pixels, max_pixels] (an unset limit: the processor's own, a tiny model's
+    image_size^2 or Qwen2-VL's 56^2 and 28^2 x 1280).
     """
+    from launcher.models import check_pixel_limits
+
     vision_config = config.vision_config
     patch = vision_config.patch_size
     merge = getattr(vision_config, "spatial_merge_size", None)
+    tiny = cfg.model.source == "tiny"
+    min_pixels, max_pixels = cfg.model.get("min_pixels"), cfg.model.get("max_pixels")
+    check_pixel_limits(config, min_pixels=min_pixels, max_pixels=max_pixels, tiny=tiny)
     if merge:
-        side = cfg.plan.image_size or (cfg.model.image_size if cfg.model.source == "tiny" else 448)
+        side = cfg.plan.image_size or (cfg.model.image_size if tiny else 448)
         unit = patch * merge
-        patches = (max(1, round(side / unit)) * merge) ** 2
+        if min_pixels is None and max_pixels is None:
+            patches = (max(1, round(side / unit)) * merge) ** 2
+        else:
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+            own = (cfg.model.image_size**2,) * 2 if tiny else (56 * 56, 28 * 28 * 1280)
+            height, width = smart_resize(
+                side,
+                side,
+                factor=unit,
+                min_pixels=min_pixels if min_pixels is not None else own[0],
+                max_pixels=max_pixels if max_pixels is not None else own[1],
+            )
+            patches = (height // patch) * (width // patch)
         return patches, patches // (merge * merge), merge
     patches = (vision_config.image_size // patch) ** 2
     cls = 1 if str(getattr(vision_config, "model_type", "")).startswith("clip") else 0

@@ -7,6 +7,7 @@ saved to a directory with `save_pretrained` so nothing downstream knows they are
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -413,19 +414,35 @@ def _set_generation_tokens(model: nn.Module, tokenizer: PreTrainedTokenizerFast)
     model.generation_config.bos_token_id = tokenizer.bos_token_id
 
 
-def load_model_and_processor(path_or_hub_id: str, *, torch_dtype: torch.dtype | None = None):
+def load_model_and_processor(
+    path_or_hub_id: str,
+    *,
+    torch_dtype: torch.dtype | None = None,
+    attn_implementation: str | None = None,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    **model_kwargs: Any,
+):
     """Load `(model, processor)` from a local directory or a hub id, the way a real preset loads.
 
-    Raises LauncherError with a one-line message when the path is neither a local model nor
-    fetchable, or when it holds a model that is not an image-text-to-text model.
+    `attn_implementation`: eager | sdpa | flash_attention_2, as `resolve_attn_implementation` resolves
+    model.attn_implementation (None: transformers' default). `min_pixels` / `max_pixels`: the pixels per
+    image of a dynamic-resolution processor (Qwen2-VL family; None: the processor's own), refused for
+    models that resize to one fixed size (LLaVA). `model_kwargs` go to `from_pretrained` as they are
+    (e.g. `quantization_config`). Raises LauncherError with a one-line message when the path is neither
+    a local model nor fetchable, or when it holds a model that is not an image-text-to-text model.
     """
     config = read_config(path_or_hub_id)
     if type(config) not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
         raise LauncherError(
             f"model.path={path_or_hub_id} is a {config.model_type} model, not an image-text-to-text model"
         )
+    tiny = _read_marker(Path(path_or_hub_id).expanduser()) is not None
+    check_pixel_limits(config, min_pixels=min_pixels, max_pixels=max_pixels, tiny=tiny)
+    if attn_implementation is not None:
+        model_kwargs["attn_implementation"] = attn_implementation
     try:
-        model = AutoModelForImageTextToText.from_pretrained(path_or_hub_id, dtype=torch_dtype)
+        model = AutoModelForImageTextToText.from_pretrained(path_or_hub_id, dtype=torch_dtype, **model_kwargs)
     except (OSError, SafetensorError) as error:
         # No weight files, a truncated or corrupt file, a download that failed.
         raise LauncherError(
@@ -433,7 +450,110 @@ def load_model_and_processor(path_or_hub_id: str, *, torch_dtype: torch.dtype | 
             "model directory again, or save it with save_pretrained"
         ) from error
     processor = _load_processor(path_or_hub_id, config)
+    set_pixel_limits(processor, min_pixels=min_pixels, max_pixels=max_pixels)
     return model, processor
+
+
+# ----------------------------------------------------------------------------- image resolution
+def has_dynamic_resolution(config) -> bool:
+    """Whether the model takes images at any size (Qwen2-VL family: patches merged m x m into tokens),
+    rather than resizing every image to its vision tower's image_size (LLaVA)."""
+    return bool(getattr(getattr(config, "vision_config", None), "spatial_merge_size", None))
+
+
+def check_pixel_limits(config, *, min_pixels: int | None, max_pixels: int | None, tiny: bool) -> None:
+    """Refuse model.min_pixels / model.max_pixels for a model whose image size is fixed (LLaVA)."""
+    given = [
+        f"model.{key}={value}"
+        for key, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels))
+        if value is not None
+    ]
+    if not given or has_dynamic_resolution(config):
+        return
+    size = getattr(getattr(config, "vision_config", None), "image_size", "?")
+    fix = "leave model.min_pixels and model.max_pixels unset"
+    if tiny:
+        fix = f"set model.image_size instead, and {fix}"
+    raise LauncherError(
+        f"{' '.join(given)}: only dynamic-resolution models (the Qwen2-VL family) resize images to a pixel count; "
+        f"a {config.model_type} model's image size is its vision tower's image_size ({size} px): {fix}"
+    )
+
+
+def set_pixel_limits(processor, *, min_pixels: int | None, max_pixels: int | None) -> None:
+    """Set the pixels per image of a Qwen2-VL-family image processor (None keeps the processor's own).
+
+    transformers 5.24 keeps them as `size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}`;
+    each image is resized (smart_resize) to whole merged patches with a pixel count in that range, so
+    the number of image tokens follows. Whichever limit is given wins when it crosses the other one."""
+    if min_pixels is None and max_pixels is None:
+        return
+    image_processor = processor.image_processor
+    size = image_processor.size
+    limits = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    limits = {key: int(value) for key, value in limits.items() if value is not None}
+    if dataclasses.is_dataclass(size):
+        image_processor.size = dataclasses.replace(size, **limits)
+    else:
+        image_processor.size = {**size, **limits}
+
+
+# ----------------------------------------------------------------------------- attention and checkpointing
+def resolve_attn_implementation(requested: str, *, device_kind: str, precision: str) -> str:
+    """The attention kernel to load the model with (model.attn_implementation).
+
+    auto: flash_attention_2 where it can run (a CUDA device, the flash-attn package, bf16 or fp16),
+    else sdpa. eager and sdpa run anywhere. flash_attention_2 asked for where it cannot run is refused
+    in one line, before any rank starts."""
+    requested = str(requested)
+    flash_problem = None
+    if device_kind != "cuda":
+        flash_problem = f"needs a CUDA device (this job runs on {device_kind})"
+    elif importlib.util.find_spec("flash_attn") is None:
+        flash_problem = "needs the flash-attn package, which is not installed (pip install flash-attn)"
+    elif precision not in ("bf16", "fp16"):
+        flash_problem = f"runs in bf16 or fp16 only (this job trains in {precision}; precision=bf16 fixes that)"
+    if requested == "auto":
+        return "sdpa" if flash_problem else "flash_attention_2"
+    if requested == "flash_attention_2" and flash_problem:
+        raise LauncherError(
+            f"model.attn_implementation=flash_attention_2 {flash_problem}: use model.attn_implementation=sdpa "
+            "(or auto, which picks flash_attention_2 where it can run)"
+        )
+    if requested not in ("eager", "sdpa", "flash_attention_2"):
+        raise LauncherError(
+            f"model.attn_implementation={requested} is unknown: use auto, eager, sdpa or flash_attention_2"
+        )
+    return requested
+
+
+def enable_gradient_checkpointing(model: nn.Module, *, language: bool, vision: bool) -> list[str]:
+    """Checkpoint the layers of the language model and/or the vision tower; return the parts enabled.
+
+    Non-reentrant (`use_reentrant=False`): a checkpointed layer keeps only its inputs and recomputes its
+    activations in the backward pass. Unlike the reentrant kind, it passes gradients to parameters
+    inside a layer whose inputs need none, so frozen embeddings, a frozen vision tower and LoRA
+    adapters on a frozen base need no `enable_input_require_grads` hook (transformers adds one for
+    the language model; it is removed again). Works on a peft model as on the model it wraps.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    parts = _components(base)
+    enabled = []
+    for name, wanted, key in (
+        ("language", language, "model.gradient_checkpointing"),
+        ("vision", vision, "model.vision_gradient_checkpointing"),
+    ):
+        if not wanted:
+            continue
+        module = parts[name][0]
+        if not getattr(module, "supports_gradient_checkpointing", False):
+            raise LauncherError(
+                f"{key}=true: {type(module).__name__} ({name}) does not support gradient checkpointing; set {key}=false"
+            )
+        module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        module.disable_input_require_grads()
+        enabled.append(name)
+    return enabled
 
 
 # Architecture facts (config.json only, no weights) of the real presets, shipped with the launcher so

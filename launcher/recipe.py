@@ -267,6 +267,8 @@ def setup(s: Session) -> None:
         "zero_stage": s.summary.zero_stage,
         "precision": s.summary.precision,
         "model": s.job.get("model"),
+        "method": s.job.get("method"),
+        "base_model": s.summary.extra["base_model"],  # what an export from this checkpoint rebuilds
     }
     resumed_rng = resume(s)
     s.stop = checkpoint.StopRequest(s.run_dir.path)
@@ -302,8 +304,17 @@ def load_data(cfg: DictConfig, cache: Path, rank: Rank, *, micro: int) -> tuple[
 
 
 def setup_model(s: Session, ds_config: dict[str, Any], cache: Path, records: list[dict]) -> tuple[Any, Any]:
-    """The model (frozen parts frozen) and its processor; a tiny model is built first, by rank 0."""
-    from launcher.models import apply_freeze, load_model_and_processor, resolve_model_path
+    """The model as it trains (frozen parts frozen, adapters added, checkpointing on) and its processor.
+
+    A tiny model is built first, by rank 0; the others wait and load the same build."""
+    from launcher.method import apply_method, parameter_counts, quantization_config
+    from launcher.models import (
+        apply_freeze,
+        enable_gradient_checkpointing,
+        load_model_and_processor,
+        resolve_attn_implementation,
+        resolve_model_path,
+    )
 
     cfg = s.cfg
     if s.rank.is_main:
@@ -317,19 +328,55 @@ def setup_model(s: Session, ds_config: dict[str, Any], cache: Path, records: lis
         from transformers.integrations import HfDeepSpeedConfig
 
         hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841 (kept alive on purpose)
-    model, processor = load_model_and_processor(model_path)
+    precision = s.job["precision"]
+    attention = resolve_attn_implementation(
+        str(cfg.model.attn_implementation), device_kind=s.rank.device.type, precision=precision
+    )
+    extra = {}
+    if str(cfg.method.name) == "qlora":
+        extra = {"quantization_config": quantization_config(cfg.method, precision), "device_map": {"": s.rank.device}}
+    model, processor = load_model_and_processor(
+        model_path,
+        attn_implementation=attention,
+        min_pixels=cfg.model.min_pixels,
+        max_pixels=cfg.model.max_pixels,
+        **extra,
+    )
     # True when ZeRO-3 partitioned the weights while loading (zero.Init tags each parameter).
     s.summary.extra["partitioned_at_load"] = any(hasattr(p, "ds_id") for p in model.parameters())
     model.config.use_cache = False
-    counts = apply_freeze(
+    apply_freeze(
         model,
         vision=cfg.model.freeze_vision,
         projector=cfg.model.freeze_projector,
         language=cfg.model.freeze_language,
     )
-    s.summary.extra.update({"params_total": counts["total"], "params_trainable": counts["trainable"]})
+    enable_gradient_checkpointing(
+        model, language=cfg.model.gradient_checkpointing, vision=cfg.model.vision_gradient_checkpointing
+    )
+    model = apply_method(model, cfg.method, cfg.model)
+    counts = parameter_counts(model)
+    s.summary.extra.update(
+        {
+            "params_total": counts["total"],
+            "params_trainable": counts["trainable"],
+            "trainable_fraction": counts["trainable"] / max(counts["total"], 1),
+            "method": str(cfg.method.name),
+            "attn_implementation": attention,
+            "base_model": model_path,
+        }
+    )
     if s.rank.is_main:
-        log.info("model %s: %s", model_path, counts)
+        log.info(
+            "model %s (%s, attention %s): %d of %d parameters train (%.2f%%); %s",
+            model_path,
+            cfg.method.name,
+            attention,
+            counts["trainable"],
+            counts["total"],
+            100 * counts["trainable"] / max(counts["total"], 1),
+            counts,
+        )
     return model, processor
 
 

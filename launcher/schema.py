@@ -45,6 +45,9 @@ DistLauncher = _choice("DistLauncher", ("local", "torchrun", "deepspeed", "slurm
 DistBackend = _choice("DistBackend", ("auto", "nccl", "gloo", "ccl"))
 LoggerMode = _choice("LoggerMode", ("auto", "online", "offline", "disabled"))
 Preflight = _choice("Preflight", ("warn", "error", "off"))
+Method = _choice("Method", ("full", "lora", "qlora"))
+AttnImplementation = _choice("AttnImplementation", ("auto", "eager", "sdpa", "flash_attention_2"))
+ShapesTask = _choice("ShapesTask", ("shape", "colour"))
 # The metric a sweep optimises, and where summary.json keeps it.
 OBJECTIVES = {
     "eval/loss": "eval_loss",
@@ -158,6 +161,40 @@ class ModelConfig:
     vision_layers: int | None = None
     image_size: int | None = None
     patch_size: int | None = None
+    # The attention kernel: auto picks flash_attention_2 where it can run (CUDA, the flash-attn package,
+    # bf16/fp16), else sdpa; asking for one that cannot run here stops the job before it starts.
+    attn_implementation: AttnImplementation = AttnImplementation.auto
+    # Activation (gradient) checkpointing, non-reentrant: recompute each layer's activations in the
+    # backward pass instead of keeping them. The language model and the vision tower separately.
+    gradient_checkpointing: bool = False
+    vision_gradient_checkpointing: bool = False
+    # Dynamic-resolution models (Qwen2-VL family): pixels per image after resizing, the main memory lever
+    # (image tokens = pixels / (patch_size * merge)^2). null: the processor's own (a tiny model's image_size^2).
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+
+
+@dataclass
+class MethodConfig:
+    """What is trained (the `method` group): every weight (`full`), LoRA adapters (`lora`), or LoRA on a
+    4-bit base (`qlora`, CUDA and bitsandbytes only). Built on peft; values in conf/method/*.yaml."""
+
+    name: Method = MISSING
+    r: int = 8  # LoRA rank
+    alpha: float = 16  # scaling alpha / r
+    dropout: float = 0.05
+    # Which linear layers get adapters: [all-linear] (every linear layer of the language model, the
+    # output head excluded), or layer names (suffixes such as q_proj, v_proj) within the adapted parts.
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    # A regular expression over full module names (re.fullmatch, as peft does); replaces target_modules.
+    target_regex: str | None = None
+    include_vision: bool = False  # adapters on the vision tower's linear layers too
+    # Components trained in full beside the adapters and saved with them: projector, vision, language,
+    # or module names. LLaVA's LoRA recipe trains the projector in full.
+    modules_to_save: list[str] = field(default_factory=lambda: ["projector"])
+    # qlora: the 4-bit quantisation of the frozen base (bitsandbytes).
+    quant_type: str = "nf4"
+    double_quant: bool = True
 
 
 @dataclass
@@ -181,6 +218,9 @@ class DataConfig:
     n_eval: int | None = None
     image_size: int | None = None
     seed: int | None = None
+    # Which question the built-in images ask: shape ("what is in the image?" -> "red circle") or colour
+    # ("what colour is the shape?" -> "red"), a second task on the same kind of images.
+    task: ShapesTask = ShapesTask.shape
 
 
 @dataclass
@@ -241,6 +281,7 @@ class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
     data: DataConfig = field(default_factory=DataConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)

@@ -83,6 +83,7 @@ def check_knobs(cfg: DictConfig) -> None:
     The training knobs that enter the DeepSpeed dict are checked by the pure builder
     (launcher.ds_config); the closed choices by the schema (enums) at compose time."""
     _check_model_knobs(cfg.model)
+    _check_pixel_knobs(cfg.model)
     data, dist, plan, train = cfg.data, cfg.dist, cfg.plan, cfg.train
     cores = usable_cores()
     if not 0 <= int(data.num_workers) <= WORKERS_PER_CORE * cores:
@@ -157,6 +158,44 @@ def _check_model_knobs(model: DictConfig) -> None:
             f"model.image_size / model.patch_size = {int(model.image_size) // int(model.patch_size)} must be even: "
             "tiny_qwen2_vl merges 2x2 patches"
         )
+
+
+def _check_pixel_knobs(model: DictConfig) -> None:
+    """model.min_pixels / model.max_pixels: positive, and the range not empty (null: the processor's own)."""
+    low, high = model.get("min_pixels"), model.get("max_pixels")
+    for key, value in (("min_pixels", low), ("max_pixels", high)):
+        if value is not None and int(value) < 1:
+            raise LauncherError(
+                f"model.{key}={value} must be a positive number of pixels per image (e.g. {448 * 448} for 448 x 448), "
+                "or null for the processor's own"
+            )
+    if low is not None and high is not None and int(high) < int(low):
+        raise LauncherError(
+            f"model.max_pixels={high} is below model.min_pixels={low}: raise model.max_pixels or lower "
+            "model.min_pixels (each image is resized to between the two)"
+        )
+
+
+def check_model_choices(cfg: DictConfig, device_kind: str, precision: str, *, launching: bool = True) -> str:
+    """The model settings that need the machine or the model's config; returns the attention kernel.
+
+    model.attn_implementation must run on this device, with the flash-attn package and in this
+    precision (auto resolves here; a dry run, which may plan for another machine, keeps what was
+    asked). model.min_pixels / model.max_pixels need a dynamic-resolution model (the Qwen2-VL
+    family): the model's config is read when either is set (a tiny model is built into the cache
+    for it, as the memory preflight does)."""
+    from launcher.models import check_pixel_limits, read_config, resolve_attn_implementation
+
+    attn = str(cfg.model.attn_implementation)
+    if launching:
+        attn = resolve_attn_implementation(attn, device_kind=device_kind, precision=precision)
+    min_pixels, max_pixels = cfg.model.get("min_pixels"), cfg.model.get("max_pixels")
+    if min_pixels is not None or max_pixels is not None:
+        from launcher.model_stats import model_dir
+
+        config = read_config(model_dir(cfg))
+        check_pixel_limits(config, min_pixels=min_pixels, max_pixels=max_pixels, tiny=cfg.model.source == "tiny")
+    return attn
 
 
 def check_data(data: DictConfig) -> None:

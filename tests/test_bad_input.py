@@ -117,6 +117,27 @@ CASES = [
         ("model.image_size=30",),
         "model.image_size=30 must be a multiple of model.patch_size=8",
     ),
+    Case(
+        "pixels-range-empty",
+        ("model=tiny_qwen2_vl", "model.min_pixels=4096", "model.max_pixels=1024"),
+        "model.max_pixels=1024 is below model.min_pixels=4096: raise model.max_pixels or lower model.min_pixels",
+    ),
+    Case(
+        "pixels-not-positive",
+        ("model=tiny_qwen2_vl", "model.max_pixels=0"),
+        "model.max_pixels=0 must be a positive number of pixels per image",
+    ),
+    # Stopped by launcher.validate.check_model_choices in entry.check_inputs, before any rank starts.
+    Case(
+        "pixels-for-llava",
+        ("model.max_pixels=4096",),
+        "model.max_pixels=4096: only dynamic-resolution models (the Qwen2-VL family) resize images to a pixel count",
+    ),
+    Case(
+        "flash-attention-on-cpu",
+        ("model.attn_implementation=flash_attention_2",),
+        "model.attn_implementation=flash_attention_2 needs a CUDA device (this job runs on cpu)",
+    ),
     # ------------------------------------------------------------------ knobs that reach DeepSpeed
     Case("lr-infinite", ("train.lr=inf",), "train.lr=inf must be a finite number"),
     Case("betas-out-of-range", ("train.betas=[0.9,1.0]",), "train.betas=[0.9, 1.0] must be two numbers in [0, 1)"),
@@ -203,6 +224,23 @@ CASES = [
         "hydra.sweep.dir={data}/a_file/sweep: cannot create it",
         run_dir="none",
     ),
+    # ------------------------------------------------------------------ method and model choices
+    Case(
+        "lora-targets-match-nothing",
+        ("method=lora", "method.target_modules=[qproj]"),
+        "method.target_modules=['qproj'] (method.include_vision=False, model.freeze_language=False, "
+        "model.freeze_vision=False) matches no module of LlavaForConditionalGeneration",
+    ),
+    Case(
+        "qlora-without-cuda",
+        ("method=qlora",),
+        "method=qlora cannot run here: 4-bit quantisation (bitsandbytes) needs a CUDA device",
+    ),
+    Case(
+        "flash-attention-on-cpu",
+        ("model.attn_implementation=flash_attention_2",),
+        "model.attn_implementation=flash_attention_2 needs a CUDA device",
+    ),
     # ------------------------------------------------------------------ resume
     Case("resume-missing-directory", ("resume={tmp}/nowhere",), "resume={tmp}/nowhere: no such directory"),
     Case("resume-not-a-run", ("resume={data}",), "resume={data}: {data} is not a run directory"),
@@ -228,6 +266,12 @@ CASES = [
         "resume-other-model",
         ("resume={old}", "model=tiny_qwen2_vl"),
         "the job differs from the one that saved it (model.arch tiny_llava -> tiny_qwen2_vl;",
+        run_dir="old",
+    ),
+    Case(
+        "resume-other-method",
+        ("resume={old}", "method=lora"),
+        "the job differs from the one that saved it (method.name full -> lora",
         run_dir="old",
     ),
 ]

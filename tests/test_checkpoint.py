@@ -58,6 +58,16 @@ def test_incompatibilities_name_what_differs():
     assert checkpoint.incompatibilities(old, new) == ["world_size 2 -> 1", "model.hidden_size 64 -> 128"]
 
 
+def test_how_the_model_runs_may_change_on_resume_but_not_what_trains():
+    old = {"model": {"name": "tiny_llava", "gradient_checkpointing": False, "attn_implementation": "auto"}}
+    new = {"model": {"name": "tiny_llava", "gradient_checkpointing": True, "attn_implementation": "eager"}}
+    assert checkpoint.incompatibilities(old, new) == []
+    # An older checkpoint records no method (it trained every weight): nothing to compare.
+    assert checkpoint.incompatibilities(old, {**new, "method": {"name": "full"}}) == []
+    lora = {**old, "method": {"name": "lora", "r": 8}}
+    assert checkpoint.incompatibilities(lora, {**old, "method": {"name": "lora", "r": 16}}) == ["method.r 8 -> 16"]
+
+
 def test_resume_argument_reruns_the_old_overrides_in_the_old_directory(tmp_path):
     run_dir = tmp_path / "run"
     (run_dir / ".hydra").mkdir(parents=True)

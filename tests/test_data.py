@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from launcher.data import (
+    COLOUR_QUESTION,
     COLOURS,
     IGNORE_INDEX,
     QUESTION,
@@ -24,10 +25,12 @@ from launcher.data import (
     generate_shapes,
     load_records,
     normalize_answer,
+    prepare_data,
     to_chat_messages,
 )
 from launcher.errors import LauncherError
 from launcher.models import TINY_ARCHITECTURES, build_tiny_model_dir, load_model_and_processor
+from tests.conftest import compose_config
 from tests.test_models import SIZES
 
 VOCABULARY = [QUESTION] + [f"{c} {s}" for c in COLOURS for s in SHAPES] + ["what colour?", "and the shape?"]
@@ -109,6 +112,40 @@ def test_shapes_reuse_a_complete_set(tmp_path):
     generate_shapes(tmp_path / "s", seed=3, n_train=5, n_eval=2, image_size=16)
     assert len(json.loads(paths[0].read_text())) == 5
     assert [p.name for p in tmp_path.iterdir()] == ["s"]  # no temp dirs left behind
+
+
+def test_the_colour_task_asks_about_the_same_images(tmp_path, shapes):
+    train_json, eval_json, root = shapes
+    colour = generate_shapes(tmp_path / "colour", seed=0, n_train=72, n_eval=36, image_size=32, task="colour")
+    for name in ("train/00000.png", "train/00071.png", "eval/00035.png"):
+        assert (root / name).read_bytes() == (colour[2] / name).read_bytes()
+    for shape_file, colour_file in ((train_json, colour[0]), (eval_json, colour[1])):
+        for asked_shape, asked_colour in zip(
+            json.loads(shape_file.read_text()), json.loads(colour_file.read_text()), strict=True
+        ):
+            assert asked_colour["image"] == asked_shape["image"]
+            assert asked_colour["conversations"][0]["value"] == f"<image>\n{COLOUR_QUESTION}"
+            assert asked_colour["conversations"][1]["value"] == asked_shape["conversations"][1]["value"].split()[0]
+    answers = [r["conversations"][1]["value"] for r in load_records(colour[0], colour[2])[0]]
+    assert sorted(set(answers)) == sorted(COLOURS)
+    assert all(answers.count(a) == 12 for a in COLOURS)  # 72 images, 6 answers
+    with pytest.raises(LauncherError, match=r"data\.task=size is not a task of the built-in set"):
+        generate_shapes(tmp_path / "size", seed=0, n_train=4, n_eval=2, image_size=16, task="size")
+
+
+def test_both_tasks_coexist_in_the_cache(tmp_path):
+    cache = tmp_path / "cache"
+    shapes = compose_config(["data=shapes", "data.n_train=18", "data.n_eval=6"]).data
+    colour = compose_config(["data=shapes", "data.n_train=18", "data.n_eval=6", "data.task=colour"]).data
+    shape_files = prepare_data(shapes, cache)
+    marker = shape_files[0].parent / "shapes.json"
+    stamp = marker.stat().st_mtime_ns
+    colour_files = prepare_data(colour, cache)
+    assert shape_files[0].parent != colour_files[0].parent
+    assert json.loads(marker.read_text())["task"] == "shape"
+    assert json.loads((colour_files[0].parent / "shapes.json").read_text())["task"] == "colour"
+    assert prepare_data(shapes, cache) == shape_files and marker.stat().st_mtime_ns == stamp  # reused, not redrawn
+    assert json.loads(colour_files[0].read_text())[0]["conversations"][1]["value"] in COLOURS
 
 
 # ---------------------------------------------------------------------------------------------------

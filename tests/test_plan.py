@@ -35,6 +35,7 @@ import pytest
 
 from launcher import memory, model_stats, plan
 from launcher.ds_config import Device, build_ds_config
+from launcher.errors import LauncherError
 from launcher.job import HydraJob, plan_job
 from launcher.memory import (
     BYTES,
@@ -312,6 +313,66 @@ def test_meta_model_counts_match_the_published_models(published, model):
     else:
         assert (stats.vision_tokens, stats.image_tokens) == (1024, 256)  # 448 px, 14 px patches, 2x2 merge
         assert stats.text.kv_width == 2 * 128
+
+
+@pytest.mark.parametrize(
+    ("overrides", "tokens"),
+    [
+        ([], 256),  # null limits: today's 448 px square
+        (["model.max_pixels=200704"], 256),  # 448^2: already inside the range
+        (["model.max_pixels=50176"], 64),  # 224^2: 8 x 8 merged patches of 28 px
+        (["model.min_pixels=802816"], 1024),  # 896^2
+        (["model.min_pixels=3136", "model.max_pixels=100000"], 121),  # 308^2 = 94864 px, the largest that fits
+        (["plan.image_size=896", "model.max_pixels=200704"], 256),
+    ],
+)
+def test_qwen2_vl_image_tokens_follow_the_pixel_limits(published, overrides, tokens):
+    cfg = compose_config(["model=qwen2_vl_2b", f"model.path={published['qwen2_vl_2b']}", *overrides])
+    stats = model_stats.model_stats(cfg)
+    assert (stats.vision_tokens, stats.image_tokens) == (4 * tokens, tokens)
+
+
+def test_the_plan_and_the_preflight_count_image_tokens_from_max_pixels(published, capsys):
+    overrides = ["model=qwen2_vl_2b", f"model.path={published['qwen2_vl_2b']}", "plan.gpu_memory_gb=1"]
+    for limit, tokens in (([], 256), (["model.max_pixels=50176"], 64)):
+        assert plan.main([*overrides, *limit, "plan.precisions=[bf16]"]) == 0
+        assert f"{512 + tokens} tokens per sample (1 image(s) x {tokens} image tokens)" in capsys.readouterr().out
+        warning = plan.preflight(*_planned([*overrides, *limit, "precision=bf16"], Device("cuda", True, True)))
+        assert f"x {512 + tokens} tokens" in warning
+
+
+def test_pixel_limits_are_checked_before_anything_starts(published):
+    from launcher.validate import check_knobs, check_model_choices
+
+    qwen = ["model=qwen2_vl_2b", f"model.path={published['qwen2_vl_2b']}"]
+    with pytest.raises(LauncherError, match=r"^model.max_pixels=100 is below model.min_pixels=200: raise model"):
+        check_knobs(compose_config([*qwen, "model.min_pixels=200", "model.max_pixels=100"]))
+    with pytest.raises(LauncherError, match=r"^model.min_pixels=0 must be a positive number of pixels per image"):
+        check_knobs(compose_config([*qwen, "model.min_pixels=0"]))
+    with pytest.raises(LauncherError, match=r"^model.max_pixels=-5 must be a positive number"):
+        check_knobs(compose_config([*qwen, "model.max_pixels=-5"]))
+    check_knobs(compose_config([*qwen, "model.min_pixels=200", "model.max_pixels=200"]))
+    cfg = compose_config([*qwen, "model.max_pixels=50176"])
+    assert check_model_choices(cfg, "cpu", "fp32") == "sdpa"
+    llava = compose_config(["model=llava_1_5_7b", f"model.path={published['llava_1_5_7b']}", "model.max_pixels=50176"])
+    with pytest.raises(LauncherError, match=r"^model.max_pixels=50176: only dynamic-resolution models .*\(336 px\)"):
+        check_model_choices(llava, "cuda", "bf16")
+    with pytest.raises(LauncherError, match=r"\(336 px\)"):  # the planner refuses it as well
+        model_stats.model_stats(llava)
+    tiny = compose_config(["model=tiny_llava", "model.min_pixels=1024"])
+    with pytest.raises(LauncherError, match=r"\(32 px\): set model.image_size instead"):
+        check_model_choices(tiny, "cpu", "fp32")
+
+
+def test_attention_that_cannot_run_here_is_refused_before_anything_starts():
+    from launcher.validate import check_model_choices
+
+    cfg = compose_config(["model.attn_implementation=flash_attention_2"])
+    with pytest.raises(LauncherError, match=r"^model.attn_implementation=flash_attention_2 needs a CUDA device"):
+        check_model_choices(cfg, "cpu", "bf16")
+    assert check_model_choices(cfg, "cpu", "bf16", launching=False) == "flash_attention_2"  # a dry run plans
+    assert check_model_choices(compose_config([]), "cpu", "fp32") == "sdpa"  # auto
+    assert check_model_choices(compose_config(["model.attn_implementation=eager"]), "cpu", "fp32") == "eager"
 
 
 def test_cli_prints_the_table_and_recommends(published, capsys):
