@@ -3,27 +3,29 @@
     .venv/bin/python bench/gradient_checkpointing.py
     .venv/bin/python bench/gradient_checkpointing.py --arch tiny_qwen2_vl --image-size 224 --patch-size 14
 
-One process, three variants trained in turn from the same initial weights and the same batch:
-off; the language model checkpointed (model.gradient_checkpointing); both the language model and
-the vision tower (model.vision_gradient_checkpointing). The model is a tiny build big enough to show
-it (defaults: tiny_llava, hidden 256, 4 + 4 layers, 224 px images in 14 px patches = 256 image tokens
-+ ~250 text tokens per sample, micro batch 4, fp32, AdamW, 2 threads), fed through the launcher's own
-loading (`load_model_and_processor`), `enable_gradient_checkpointing` and `Collator`.
+Three variants, each from the same initial weights on the same batch: off; the language model
+checkpointed (model.gradient_checkpointing); the language model and the vision tower (also
+model.vision_gradient_checkpointing). The model is a tiny build big enough to show it (defaults:
+tiny_llava, hidden 256, 4 + 4 layers, 224 px images in 14 px patches = 256 image tokens, + ~270 text
+tokens per sample, micro batch 4, fp32, AdamW, 2 threads), trained by a plain loop in Python through
+the launcher's own `load_model_and_processor`, `enable_gradient_checkpointing` and `Collator`. Each
+variant runs twice, each time in a fresh process: once for memory, once for time and the loss curve.
 
 Figures per variant:
   saved      bytes of the tensors autograd keeps for backward during one forward pass (each storage
              once, parameters left out): what checkpointing removes. Deterministic.
-  peak       the most resident memory above the level before the step, over forward + backward of a
-             step after the first (Adam's states exist by then): the kernel's high-water mark of the
-             process (VmHWM, reset by writing 5 to /proc/self/clear_refs just before the step). It
-             includes the backward's recomputation and the gradients. glibc is told to give every
-             allocation of 64 KiB or more its own mapping and to unmap it when freed (mallopt
-             M_MMAP_THRESHOLD, which also stops the threshold from adapting), so resident memory
-             follows the live tensors rather than what malloc kept; PyTorch keeps no CPU cache.
-             Deterministic to a few MiB.
+  peak       the most resident memory above the level before the step, over forward + backward of
+             step 2 (Adam's states exist by then): the kernel's high-water mark of the process (VmHWM,
+             reset by writing 5 to /proc/self/clear_refs just before the step). It includes the
+             backward's recomputation and the gradients. In this run glibc gives every allocation of
+             64 KiB or more its own mapping and unmaps it when freed (mallopt M_MMAP_THRESHOLD, which
+             also stops the threshold from adapting), so resident memory follows the live tensors
+             rather than what malloc kept; PyTorch keeps no CPU cache. Deterministic to a few MiB.
   planner    `launcher.memory.activation_bytes` for the same model, sequence and batch.
-  step       median wall and CPU time (this process, all threads) per step over steps 2..N; the
-             machine's noise is ~25%, CPU time is steadier.
+  step       median wall and CPU time (the process, all threads) per step over steps 2..N, in the other
+             run, with glibc left alone (the page faults of a mapping per allocation cost ~40% more CPU).
+             The machine's noise is ~25%; with other processes busy, OpenMP's spinning threads inflate
+             CPU time as well, so the share of the CPU they used is printed.
   loss       the largest relative difference of the loss curve from the variant without checkpointing
              over all steps (same seed: expected 0 up to rounding).
 Prints a Markdown table, then the ratios against "off".
@@ -34,12 +36,15 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import json
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -140,9 +145,24 @@ def planner_bytes(args: argparse.Namespace, path: Path, seq_len: int, language: 
     )
 
 
-def run_variant(args: argparse.Namespace, path: Path, language: bool, vision: bool) -> dict[str, object]:
+def run_variant(args: argparse.Namespace, path: Path, name: str, mode: str) -> dict[str, Any]:
+    """One variant in a fresh process (`--child MODE`): its figures, as the child printed them."""
+    command = [sys.executable, __file__, *sys.argv[1:], "--child", mode, "--variant", name, "--model-dir", str(path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=common.bench_env())
+    if result.returncode != 0:
+        raise RuntimeError(f"{name} ({mode}) exited with {result.returncode}:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    """memory: bytes saved in one forward pass, and the peak over forward + backward of step 2 (glibc set
+    to follow live tensors); time: `args.steps` steps with glibc as it is, their times and losses."""
+    if args.child == "memory":
+        follow_live_tensors()
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model, processor = load_model_and_processor(str(path))
+    language, vision = VARIANTS[args.variant]
+    model, processor = load_model_and_processor(str(args.model_dir))
     model.config.use_cache = False
     enable_gradient_checkpointing(model, language=language, vision=vision)
     model.train()
@@ -150,32 +170,32 @@ def run_variant(args: argparse.Namespace, path: Path, language: bool, vision: bo
         processor, size=args.batch_size, image_size=args.image_size, text_words=args.text_words, seed=args.seed
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    saved = saved_for_backward(model, batch)
-    losses, walls, cpus, peak = [], [], [], 0
+    out: dict[str, Any] = {"tokens": int(batch["input_ids"].shape[1])}
+    if args.child == "memory":
+        out["saved"] = saved_for_backward(model, batch)
+    losses, walls, cpus = [], [], []
     load = common.ForeignLoad()
-    for step in range(args.steps):
-        if step == 1:
+    for step in range(2 if args.child == "memory" else args.steps):
+        if step == 1 and args.child == "memory":
             base = reset_peak()
         wall, cpu = time.perf_counter(), time.process_time()
         loss = model(**batch).loss
         loss.backward()
-        if step == 1:
-            peak = peak_since_reset() - base
+        if step == 1 and args.child == "memory":
+            out["peak"] = peak_since_reset() - base
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
-    return {
-        "saved": saved,
-        "peak": peak,
-        "planner": planner_bytes(args, path, int(batch["input_ids"].shape[1]), language, vision),
-        "wall": statistics.median(walls[1:]),
-        "cpu": statistics.median(cpus[1:]),
-        "losses": losses,
-        "tokens": int(batch["input_ids"].shape[1]),
-        "foreign_cpu": load.share(),
-    }
+    if args.child == "time":
+        out.update(
+            wall=statistics.median(walls[1:]),
+            cpu=statistics.median(cpus[1:]),
+            losses=losses,
+            foreign_cpu=load.share(),
+        )
+    return out
 
 
 def main() -> None:
@@ -194,9 +214,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-foreign-cpu", type=float, default=0.10, help="wait (up to 2 min) for a quiet machine")
     parser.add_argument("--work-dir", type=Path, help="keep the tiny model here (default: temporary)")
+    parser.add_argument("--child", choices=["memory", "time"], help=argparse.SUPPRESS)
+    parser.add_argument("--variant", choices=list(VARIANTS), help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    follow_live_tensors()
-    torch.set_num_threads(args.threads)
+    if args.child:
+        print(json.dumps(child(args)))
+        return
     with tempfile.TemporaryDirectory(prefix="gc-bench-") as tmp:
         work = args.work_dir or Path(tmp)
         path = build_tiny_model_dir(
@@ -211,14 +235,17 @@ def main() -> None:
             image_size=args.image_size,
             patch_size=args.patch_size,
         )
-        if args.max_foreign_cpu > 0:
-            common.wait_for_quiet(args.max_foreign_cpu, max_wait_s=120)
         results = {}
         for name, (language, vision) in VARIANTS.items():
-            results[name] = run_variant(args, path, language, vision)
+            memory = run_variant(args, path, name, "memory")
+            if args.max_foreign_cpu > 0:
+                common.wait_for_quiet(args.max_foreign_cpu, max_wait_s=120)
+            run = {**memory, **run_variant(args, path, name, "time")}
+            run["planner"] = planner_bytes(args, path, run["tokens"], language, vision)
+            results[name] = run
             print(
-                f"  {name}: saved {results[name]['saved'] / MiB:.1f} MiB, peak {results[name]['peak'] / MiB:.1f} MiB, "
-                f"{results[name]['wall']:.2f} s/step, others used {results[name]['foreign_cpu']:.0%} of the CPU",
+                f"  {name}: saved {run['saved'] / MiB:.1f} MiB, peak {run['peak'] / MiB:.1f} MiB, "
+                f"{run['wall']:.2f} s/step, others used {run['foreign_cpu']:.0%} of the CPU",
                 file=sys.stderr,
             )
     print(report(args, results))
@@ -242,12 +269,14 @@ def report(args: argparse.Namespace, results: dict[str, dict]) -> str:
             f"| {name} | {run['saved'] / MiB:.1f} | {run['peak'] / MiB:.1f} | {run['planner'] / MiB:.1f} "
             f"| {run['wall']:.2f} | {run['cpu']:.2f} | {diff:.1e} |"
         )
-    lines += ["", "| checkpointed | saved | peak | planner | step wall | step CPU |", "|---|---|---|---|---|---|"]
-    for name, run in results.items():
+    foreign = max(run["foreign_cpu"] for run in results.values())
+    lines += ["", "| ratio | saved | peak | planner | step wall | step CPU |", "|---|---|---|---|---|---|"]
+    for name, run in list(results.items())[1:]:
         ratios = [run[key] / off[key] for key in ("saved", "peak", "planner", "wall", "cpu")]
         lines.append(f"| {name} / off | " + " | ".join(f"{ratio:.2f}" for ratio in ratios) + " |")
     lines.append("")
     lines.append(f"loss at step 1 / {args.steps}: {off['losses'][0]:.4f} / {off['losses'][-1]:.4f} (off)")
+    lines.append(f"other processes used at most {foreign:.0%} of the CPU during a timed run")
     return "\n".join(lines)
 
 

@@ -191,7 +191,8 @@ def check_inputs(cfg: DictConfig, spec: JobSpec, *, launching: bool) -> None:
     model's records (read anyway for its vocabulary), the method (adapter targets, 4-bit loading), the
     attention kernel and image resolution, and whether this machine has a device for every
     rank it would start (not for a dry run, which may plan a job for a bigger machine)."""
-    from launcher.method import check_method
+    from launcher.method import check_adapter_targets, check_method, uses_adapters
+    from launcher.model_stats import frozen_meta_model
     from launcher.validate import (
         check_cache_dir,
         check_data,
@@ -208,6 +209,8 @@ def check_inputs(cfg: DictConfig, spec: JobSpec, *, launching: bool) -> None:
         cfg, micro_batch=spec.ds_config["train_micro_batch_size_per_gpu"], world_size=spec.world_size
     )
     check_method(cfg, spec.device.kind, launching=launching)
+    if uses_adapters(cfg.method):
+        check_adapter_targets(frozen_meta_model(cfg), cfg)
     check_model_choices(cfg, spec.device.kind, spec.precision)
     if launching:
         check_local_ranks(cfg.dist, spec.device.kind)

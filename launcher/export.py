@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launcher.errors import LauncherError, one_line
+from launcher.errors import LauncherError, TrainingFailed, one_line
 from launcher.rundir import RunDir, read_json
 
 log = logging.getLogger("launcher.export")
@@ -49,6 +49,14 @@ class Source:
     origin: str  # "model/" or "checkpoint step_00000020"
 
 
+@dataclass
+class Exported:
+    out: Path
+    difference: float  # the largest logit difference between the reloaded export and the trained model
+    kind: str  # model | merged model | LoRA adapter
+    origin: str
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launcher.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path, help="a run directory (holding model/ or checkpoints/)")
@@ -59,8 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE, help="largest logit difference")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    _quiet_libraries()
     try:
-        out, difference = export(
+        done = export(
             args.run_dir,
             out=args.out,
             merge=args.merge,
@@ -73,8 +82,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"error: {one_line(err)}", file=sys.stderr)
         return err.exit_code
-    print(f"exported {out} (reloaded: largest logit difference {difference:.2e} <= {args.tolerance:g})")
+    print(
+        f"exported the {done.kind} of {done.origin} to {done.out}; reloaded, its logits differ from the trained "
+        f"model's by at most {done.difference:.2e} (tolerance {args.tolerance:g}) on {args.samples} held-out samples"
+    )
     return 0
+
+
+def _quiet_libraries() -> None:
+    """Per-file progress bars and deprecation notes of the loading libraries drown the one result line."""
+    import warnings
+
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    transformers_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="peft")
 
 
 def export(
@@ -85,8 +109,8 @@ def export(
     checkpoint: str | None = None,
     samples: int = DEFAULT_SAMPLES,
     tolerance: float = DEFAULT_TOLERANCE,
-) -> tuple[Path, float]:
-    """Write the run's model to `out`, reload it and compare logits; returns (out, largest difference)."""
+) -> Exported:
+    """Write the run's model to `out`, reload it and compare its logits with the trained model's."""
     directory = RunDir(Path(run_dir))
     out = Path(out) if out is not None else directory.path / ("export-merged" if merge else "export")
     _check_destination(out)
@@ -108,14 +132,15 @@ def export(
         reloaded = reload(partial, source.base, adapters=source.adapters and not merge)
         difference = max(float((a - b).abs().max()) for a, b in zip(reference, logits(reloaded, batches), strict=True))
         if not difference <= tolerance:
-            raise LauncherError(
+            raise TrainingFailed(
                 f"export of {directory.path} ({source.origin}): the reloaded model's logits differ from the trained "
                 f"model's by {difference:.2e} > --tolerance {tolerance:g}; nothing was written"
             )
         os.replace(partial, out)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-    return out, difference
+    kind = "LoRA adapter" if source.adapters and not merge else "merged model" if source.adapters else "model"
+    return Exported(out, difference, kind, source.origin)
 
 
 def _check_destination(out: Path) -> None:
@@ -223,7 +248,8 @@ def consolidated_state_dict(checkpoints_dir: Path, tag: str) -> dict[str, Any]:
 
     tag_dir = checkpoints_dir / tag
     if list(tag_dir.glob("*optim_states.pt")):
-        with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints its progress
+        # zero_to_fp32 prints its progress and draws progress bars.
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             return dict(get_fp32_state_dict_from_zero_checkpoint(str(checkpoints_dir), tag=tag))
     state = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
     return {name: tensor.float() for name, tensor in state["module"].items()}

@@ -229,6 +229,7 @@ class ModelStats:
     projector_width: int  # elements the projector keeps per language-model image token
     load_bytes: int = 4  # bytes per parameter of the checkpoint as it is loaded into CPU memory
     checkpointed: tuple[str, ...] = ()  # components whose layers are checkpointed: language, vision
+    method: str = "full"  # what trains: full, lora, qlora (adapters: `trainable` counts them)
 
     def persistent(self, threshold: int) -> int:
         """Parameters stage 3 keeps whole on every rank: those of at most `threshold` elements."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import warnings
 from typing import Any
 
 from torch import nn
@@ -157,13 +158,15 @@ def apply_method(model: nn.Module, method: Any, model_cfg: Any) -> nn.Module:
 
         # Casts norms to fp32 for stability; gradient checkpointing is the launcher's own switch.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # peft 0.21 asks transformers 5.24 a deprecated question (is_gradient_checkpointing): not the user's concern.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def check_method(cfg: Any, device_kind: str, *, launching: bool = True) -> None:
-    """Refuse, before any rank starts, a method that cannot run: knobs out of range, 4-bit loading where
-    bitsandbytes cannot run (not for a dry run, which may plan for another machine), adapter targets or
-    modules_to_save that name no module of the model."""
+    """Refuse, before any rank starts, a method that cannot run: knobs out of range, or 4-bit loading
+    where bitsandbytes cannot run (not for a dry run, which may plan for another machine)."""
     method = cfg.method
     if launching and str(method.name) == "qlora" and (problem := qlora_problem(device_kind)):
         raise LauncherError(f"method=qlora cannot run here: {problem}; use method=lora (the same adapters)")
@@ -175,27 +178,12 @@ def check_method(cfg: Any, device_kind: str, *, launching: bool = True) -> None:
         raise LauncherError(f"method.alpha={method.alpha} must be positive (usually 2 x method.r)")
     if not 0 <= float(method.dropout) < 1:
         raise LauncherError(f"method.dropout={method.dropout} must lie in [0, 1)")
-    model = meta_model(cfg)
-    target_regex(model, method, cfg.model)
-    modules_to_save(model, method, cfg.model)
 
 
-def meta_model(cfg: Any, path: str | None = None) -> nn.Module:
-    """The model `train.py` would train, built on the meta device from its config (no weights), with
-    the freeze flags applied."""
-    import torch
-    from transformers import AutoModelForImageTextToText
-
-    from launcher.model_stats import model_dir
-    from launcher.models import apply_freeze, read_config
-
-    config = read_config(path or model_dir(cfg))
-    with torch.device("meta"):
-        model = AutoModelForImageTextToText.from_config(config)
-    apply_freeze(
-        model, vision=cfg.model.freeze_vision, projector=cfg.model.freeze_projector, language=cfg.model.freeze_language
-    )
-    return model
+def check_adapter_targets(model: nn.Module, cfg: Any) -> None:
+    """The adapter targets and modules_to_save name modules of `model` (built on the meta device)."""
+    target_regex(model, cfg.method, cfg.model)
+    modules_to_save(model, cfg.method, cfg.model)
 
 
 def parameter_counts(model: nn.Module) -> dict[str, int]:

@@ -38,21 +38,40 @@ def model_dir(cfg: DictConfig) -> str:
     return resolve_model_path(model, int(cfg.train.seed), cache, records)
 
 
-def model_stats(cfg: DictConfig, *, path: str | None = None) -> ModelStats:
-    """Build the model on the meta device from its config and count what the estimates need."""
+def meta_model(cfg: DictConfig, path: str | None = None):
+    """(config, model): the model `train.py` would train, built on the meta device from its config."""
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from launcher.method import apply_method, parameter_counts, trainable_components, uses_adapters
-    from launcher.models import apply_freeze, read_config
+    from launcher.models import read_config
 
     path = path or model_dir(cfg)
     config = read_config(path)
     try:
         with torch.device("meta"):
-            model = AutoModelForImageTextToText.from_config(config)
+            return config, AutoModelForImageTextToText.from_config(config)
     except ValueError as err:
         raise LauncherError(f"model.path={path}: not an image-text-to-text model ({one_line(err)})") from None
+
+
+def frozen_meta_model(cfg: DictConfig):
+    """The meta-device model with the freeze flags applied: what a method adapts."""
+    from launcher.models import apply_freeze
+
+    _, model = meta_model(cfg)
+    apply_freeze(
+        model, vision=cfg.model.freeze_vision, projector=cfg.model.freeze_projector, language=cfg.model.freeze_language
+    )
+    return model
+
+
+def model_stats(cfg: DictConfig, *, path: str | None = None) -> ModelStats:
+    """Build the model on the meta device from its config and count what the estimates need."""
+    from launcher.method import apply_method, parameter_counts, trainable_components, uses_adapters
+    from launcher.models import apply_freeze
+
+    path = path or model_dir(cfg)
+    config, model = meta_model(cfg, path)
     freeze = {
         "vision": bool(cfg.model.freeze_vision),
         "projector": bool(cfg.model.freeze_projector),
@@ -114,6 +133,7 @@ def _stats(cfg: DictConfig, config, model, counts: dict[str, int], freeze: dict[
         image_tokens=image_tokens,
         projector_width=2 * (vision_hidden * merge * merge + text.hidden),
         load_bytes=_dtype_bytes(getattr(config, "dtype", None)),
+        method=str(cfg.method.name),
         checkpointed=tuple(
             name
             for name, key in (("language", "gradient_checkpointing"), ("vision", "vision_gradient_checkpointing"))

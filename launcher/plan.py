@@ -129,6 +129,7 @@ def deepspeed_reference(stats: ModelStats, layout: Layout) -> tuple[int, int] | 
     """
     if (
         layout.stage not in (2, 3)
+        or stats.method != "full"  # adapters on a frozen base: far from the estimators' assumption
         or layout.dtype == "fp32"
         or "nvme" in (layout.offload_optimizer, layout.offload_param)
     ):
@@ -254,7 +255,7 @@ def report(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
         cpu = f"{target.cpu_bytes / GiB:.1f} GiB"
     lines = [
         f"model {stats.name}: {stats.total / 1e6:,.1f}M parameters ({components}); "
-        f"{stats.trainable / 1e6:,.1f}M trainable",
+        f"{stats.trainable / 1e6:,.1f}M trainable (method={cfg.method.name})",
         f"job: {world_size} rank(s), {cfg.dist.nproc_per_node} per node; micro batch {micro}; "
         f"{seq_len} tokens per sample ({images} image(s) x {stats.image_tokens} image tokens)",
         f"device: {target.device_bytes / GiB:.1f} GiB ({target.source}); CPU per node: {cpu}; "

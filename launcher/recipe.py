@@ -327,14 +327,16 @@ def setup_model(s: Session, ds_config: dict[str, Any], cache: Path, records: lis
     if ds_config["zero_optimization"]["stage"] == 3:
         from transformers.integrations import HfDeepSpeedConfig
 
-        hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841 (kept alive on purpose)
+        hf_ds_config = HfDeepSpeedConfig(ds_config)  # kept alive on purpose: transformers reads it at load
     precision = s.job["precision"]
     attention = resolve_attn_implementation(
         str(cfg.model.attn_implementation), device_kind=s.rank.device.type, precision=precision
     )
-    extra = {}
+    extra: dict[str, Any] = {}
     if str(cfg.method.name) == "qlora":
-        extra = {"quantization_config": quantization_config(cfg.method, precision), "device_map": {"": s.rank.device}}
+        extra["quantization_config"] = quantization_config(cfg.method, precision)
+        if hf_ds_config is None:  # bitsandbytes quantises as the weights reach the GPU; ZeRO-3 places them itself
+            extra["device_map"] = {"": s.rank.device}
     model, processor = load_model_and_processor(
         model_path,
         attn_implementation=attention,
@@ -354,7 +356,11 @@ def setup_model(s: Session, ds_config: dict[str, Any], cache: Path, records: lis
     enable_gradient_checkpointing(
         model, language=cfg.model.gradient_checkpointing, vision=cfg.model.vision_gradient_checkpointing
     )
-    model = apply_method(model, cfg.method, cfg.model)
+    # The adapters' initial weights from train.seed alone: loading the base draws from the generator
+    # differently per ZeRO stage (zero.Init), and the same job must start from the same adapters.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(cfg.train.seed))
+        model = apply_method(model, cfg.method, cfg.model)
     counts = parameter_counts(model)
     s.summary.extra.update(
         {

@@ -16,12 +16,12 @@ from launcher.method import (
     _compact_alternation,
     apply_method,
     check_method,
-    meta_model,
     modules_to_save,
     qlora_problem,
     target_regex,
     trainable_components,
 )
+from launcher.model_stats import frozen_meta_model as meta_model
 from launcher.model_stats import model_stats
 from tests.conftest import compose_config
 
@@ -154,3 +154,17 @@ def test_qlora_loads_a_4bit_base_stored_in_the_training_dtype(tmp_path):
     peft_model = apply_method(model, cfg.method, cfg.model)
     quantized = [m for m in peft_model.modules() if type(m).__name__ == "Linear4bit"]
     assert quantized and all(m.weight.dtype == torch.bfloat16 for m in quantized)
+
+
+def test_the_plan_names_the_method_and_drops_deepspeeds_full_finetune_estimate():
+    from launcher.memory import layout_from_ds_config
+    from launcher.plan import deepspeed_reference, report
+
+    cfg = compose_config(["method=lora", "deepspeed=z3", "precision=bf16"])
+    assert "trainable (method=lora)" in report(cfg)
+    layout = layout_from_ds_config(
+        {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 1},
+        world_size=1,
+        ranks_per_node=1,
+    )
+    assert deepspeed_reference(model_stats(cfg), layout) is None
