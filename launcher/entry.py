@@ -211,7 +211,7 @@ def check_inputs(cfg: DictConfig, spec: JobSpec, *, launching: bool) -> None:
     check_method(cfg, spec.device.kind, launching=launching)
     if uses_adapters(cfg.method):
         check_adapter_targets(frozen_meta_model(cfg), cfg)
-    check_model_choices(cfg, spec.device.kind, spec.precision)
+    check_model_choices(cfg, spec.device.kind, spec.precision, launching=launching)
     if launching:
         check_local_ranks(cfg.dist, spec.device.kind)
 

@@ -111,11 +111,15 @@ def export(
     tolerance: float = DEFAULT_TOLERANCE,
 ) -> Exported:
     """Write the run's model to `out`, reload it and compare its logits with the trained model's."""
+    from launcher.models import set_pixel_limits
+
     directory = RunDir(Path(run_dir))
     out = Path(out) if out is not None else directory.path / ("export-merged" if merge else "export")
     _check_destination(out)
     cfg = _run_config(directory)
     source = load_source(directory, cfg, checkpoint)
+    # The run's image resolution (Qwen2-VL family) goes with its processor: a base's has its own.
+    set_pixel_limits(source.processor, min_pixels=cfg.model.get("min_pixels"), max_pixels=cfg.model.get("max_pixels"))
     batches = held_out_batches(cfg, source.processor, samples)
     reference = logits(source.model, batches)
     model = source.model
