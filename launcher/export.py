@@ -66,6 +66,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="held-out samples compared")
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE, help="largest logit difference")
     args = parser.parse_args(argv)
+    if args.samples < 1:
+        parser.error(f"--samples {args.samples}: compare on at least 1 held-out sample")
+    if not args.tolerance > 0:
+        parser.error(f"--tolerance {args.tolerance}: must be a positive logit difference (1e-4 is the default)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _quiet_libraries()
     try:

@@ -321,6 +321,8 @@ def setup_model(s: Session, ds_config: dict[str, Any], cache: Path, records: lis
         resolve_model_path(cfg.model, int(cfg.train.seed), cache, records)
     _barrier()
     model_path = resolve_model_path(cfg.model, int(cfg.train.seed), cache, records)
+    if Path(model_path).expanduser().is_dir():  # absolute: the adapter and checkpoints name it as the base
+        model_path = str(Path(model_path).expanduser().resolve())
     # At ZeRO-3 transformers must know the DeepSpeed config before the model is built, so that
     # from_pretrained partitions the weights at construction instead of materialising them per rank.
     hf_ds_config = None

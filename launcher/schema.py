@@ -48,6 +48,7 @@ Preflight = _choice("Preflight", ("warn", "error", "off"))
 Method = _choice("Method", ("full", "lora", "qlora"))
 AttnImplementation = _choice("AttnImplementation", ("auto", "eager", "sdpa", "flash_attention_2"))
 ShapesTask = _choice("ShapesTask", ("shape", "colour"))
+QuantType = _choice("QuantType", ("nf4", "fp4"))
 # The metric a sweep optimises, and where summary.json keeps it.
 OBJECTIVES = {
     "eval/loss": "eval_loss",
@@ -193,7 +194,7 @@ class MethodConfig:
     # or module names. LLaVA's LoRA recipe trains the projector in full.
     modules_to_save: list[str] = field(default_factory=lambda: ["projector"])
     # qlora: the 4-bit quantisation of the frozen base (bitsandbytes).
-    quant_type: str = "nf4"
+    quant_type: QuantType = QuantType.nf4
     double_quant: bool = True
 
 

@@ -117,3 +117,9 @@ def test_zero_stage0_checkpoint_exports(run_train, tmp_path):
     exported = export(run_dir, "--checkpoint", "latest", "--out", str(tmp_path / "out"))
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_nonsense_samples_or_tolerance_are_refused(never_trained):
+    for args, message in ((["--samples", "0"], "--samples 0"), (["--tolerance", "-1"], "--tolerance -1.0")):
+        result = export(never_trained, *args)
+        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr

@@ -114,7 +114,7 @@ def test_zero3_adapter_is_complete_and_equals_the_gathered_weights(zero3_lora_ru
     for name, tensor in expected.items():
         assert adapter[name].shape == tensor.shape and tensor.numel() > 0, name
         torch.testing.assert_close(adapter[name].float(), tensor, rtol=0, atol=0, msg=name)
-    assert any(float(t.abs().sum()) > 0 for n, t in expected.items() if "lora_B" in n)  # B trained off zero
+    assert any(float(t.detach().abs().sum()) > 0 for n, t in expected.items() if "lora_B" in n)  # B trained off zero
 
 
 def test_zero3_merged_export_reproduces_logits_and_accuracy(zero3_lora_run, tmp_path):
@@ -124,7 +124,8 @@ def test_zero3_merged_export_reproduces_logits_and_accuracy(zero3_lora_run, tmp_
     out = tmp_path / "merged"
     result = export(run_dir, "--merge", "--out", str(out), env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "largest logit difference" in result.stdout
+    assert "exported the merged model of model/" in result.stdout
+    assert "its logits differ from the trained model's by at most" in result.stdout
     assert not (out / "adapter_config.json").exists() and (out / "config.json").is_file()
     model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
     assert not any("lora" in name for name, _ in model.named_parameters())
@@ -210,9 +211,12 @@ def test_a_lora_run_resumes_where_it_stopped(run_train, tmp_path):
     common = [*LORA_SHORT, "deepspeed=z2"]
     result = run_train(*common, f"hydra.run.dir={straight}", timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    result = run_train(*common, "train.max_steps=4", f"hydra.run.dir={stopped}", timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    result = run_train(f"resume={stopped}", "train.max_steps=8", timeout=900)
+    # A crash at step 6 (rank 0) after the checkpoint of step 4; the resume trains steps 5-8 again.
+    crashed = run_train(
+        *common, "train.save_every=4", f"hydra.run.dir={stopped}", env={"LAUNCHER_TEST_FAULT": "0:6"}, timeout=900
+    )
+    assert crashed.returncode != 0
+    result = run_train(f"resume={stopped}", timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert summary(stopped)["resumed_from_step"] == 4
     resumed, reference = losses(stopped), losses(straight)

@@ -168,3 +168,10 @@ def test_the_plan_names_the_method_and_drops_deepspeeds_full_finetune_estimate()
         ranks_per_node=1,
     )
     assert deepspeed_reference(model_stats(cfg), layout) is None
+
+
+def test_a_target_regex_that_does_not_compile_is_one_line(llava):
+    cfg = compose_config(["method=lora"])
+    cfg.method.target_regex = "layers.(0"
+    with pytest.raises(LauncherError, match=re.escape("method.target_regex='layers.(0' is not a regular expression")):
+        target_regex(llava, cfg.method, cfg.model)
