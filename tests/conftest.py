@@ -69,3 +69,22 @@ def run_train(isolated_env: dict[str, str]) -> Callable[..., subprocess.Complete
         )
 
     return run
+
+
+def saved_for_backward(model: Any, batch: dict[str, Any]) -> int:
+    """Bytes of the tensors autograd keeps for backward in one forward pass (each storage once,
+    parameters left out): the activation memory the planner estimates."""
+    import torch
+
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(**batch)
+    return sum(saved.values())

@@ -14,7 +14,6 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.conftest import ROOT, compose_config
-from tests.test_lora_e2e import eval_accuracy
 from tests.test_train_e2e import summary
 
 
@@ -29,6 +28,23 @@ def export(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=600,
     )
+
+
+def eval_accuracy(model, run_dir: Path) -> float:
+    """Exact match of `model` on the run's held-out samples, as the run measured it (data.eval_samples)."""
+    from transformers import AutoProcessor
+
+    from launcher.data import ConversationDataset, exact_match_accuracy, load_records, prepare_data
+
+    cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    _, eval_file, image_root = prepare_data(cfg.data, ROOT / "outputs" / "cache")
+    records, _ = load_records(eval_file, image_root)
+    records = records[: int(cfg.data.eval_samples)]
+    processor = AutoProcessor.from_pretrained(run_dir / "model")
+    correct, total = exact_match_accuracy(
+        model, processor, ConversationDataset(records), max_new_tokens=int(cfg.data.max_new_tokens)
+    )
+    return correct / total
 
 
 def assert_one_line(result: subprocess.CompletedProcess[str], message: str) -> None:

@@ -23,7 +23,7 @@ from launcher.models import (
     enable_gradient_checkpointing,
     load_model_and_processor,
 )
-from tests.conftest import compose_config
+from tests.conftest import compose_config, saved_for_backward
 
 VOCABULARY = [QUESTION] + [f"{c} {s}" for c in COLOURS for s in SHAPES]
 SIZES = {
@@ -67,22 +67,6 @@ def _load(path: Path, *, language: bool, vision: bool):
     return model, processor
 
 
-def _saved_bytes(model, batch) -> int:
-    """Bytes of the tensors autograd keeps for backward in one forward pass (parameters excluded)."""
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(**batch)
-    return sum(saved.values())
-
-
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 def test_loss_curves_are_the_same_with_and_without_checkpointing(model_dirs, arch):
     curves = {}
@@ -108,7 +92,7 @@ def test_checkpointing_keeps_fewer_activations_for_backward(model_dirs, arch):
         model, processor = _load(model_dirs[arch], language=language, vision=vision)
         layers = model.model.language_model.layers
         assert all(layer.gradient_checkpointing == language for layer in layers)
-        saved[language, vision] = _saved_bytes(model, _batch(processor))
+        saved[language, vision] = saved_for_backward(model, _batch(processor))
     assert saved[True, True] < saved[True, False] < saved[False, False]
 
 

@@ -14,43 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from tests.conftest import ROOT
+from tests.test_export import eval_accuracy, export
 from tests.test_train_e2e import SHORT, losses, summary
 
 pytestmark = pytest.mark.slow
 
 LORA_SHORT = ["method=lora", *[o for o in SHORT if not o.startswith("train.max_steps")], "train.max_steps=8"]
-
-
-def export(run_dir: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "launcher.export", str(run_dir), *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
-def eval_accuracy(model, run_dir: Path) -> float:
-    """Exact match of `model` on the run's held-out samples, as the run measured it (data.eval_samples)."""
-    from transformers import AutoProcessor
-
-    from launcher.data import ConversationDataset, exact_match_accuracy, load_records, prepare_data
-
-    cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
-    _, eval_file, image_root = prepare_data(cfg.data, ROOT / "outputs" / "cache")
-    records, _ = load_records(eval_file, image_root)
-    records = records[: int(cfg.data.eval_samples)]
-    processor = AutoProcessor.from_pretrained(run_dir / "model")
-    correct, total = exact_match_accuracy(
-        model, processor, ConversationDataset(records), max_new_tokens=int(cfg.data.max_new_tokens)
-    )
-    return correct / total
 
 
 def train(*args: str, env: dict[str, str]) -> None:
@@ -86,13 +58,13 @@ def zero3_lora_run(tmp_path_factory):
         f"hydra.run.dir={run_dir}",
         env=env,
     )
-    return run_dir, env
+    return run_dir
 
 
 def test_zero3_adapter_is_complete_and_equals_the_gathered_weights(zero3_lora_run):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    run_dir, _ = zero3_lora_run
+    run_dir = zero3_lora_run
     result = summary(run_dir)
     assert result["status"] == "completed" and result["zero_stage"] == 3 and result["world_size"] == 2
     assert result["method"] == "lora" and 0 < result["params_trainable"] <= 0.1 * result["params_total"]
@@ -120,9 +92,9 @@ def test_zero3_adapter_is_complete_and_equals_the_gathered_weights(zero3_lora_ru
 def test_zero3_merged_export_reproduces_logits_and_accuracy(zero3_lora_run, tmp_path):
     from transformers import AutoModelForImageTextToText
 
-    run_dir, env = zero3_lora_run
+    run_dir = zero3_lora_run
     out = tmp_path / "merged"
-    result = export(run_dir, "--merge", "--out", str(out), env=env)
+    result = export(run_dir, "--merge", "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "exported the merged model of model/" in result.stdout
     assert "its logits differ from the trained model's by at most" in result.stdout
@@ -142,7 +114,7 @@ def test_zero3_adapter_loads_with_plain_peft_and_reproduces_accuracy(zero3_lora_
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
-    run_dir, _ = zero3_lora_run
+    run_dir = zero3_lora_run
     base = json.loads((run_dir / "model" / "adapter_config.json").read_text())["base_model_name_or_path"]
     model = PeftModel.from_pretrained(
         AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32), run_dir / "model"
@@ -151,10 +123,10 @@ def test_zero3_adapter_loads_with_plain_peft_and_reproduces_accuracy(zero3_lora_
 
 
 def test_export_from_a_mid_run_checkpoint(zero3_lora_run, tmp_path):
-    run_dir, env = zero3_lora_run
+    run_dir = zero3_lora_run
     for args in (["--checkpoint", "step20", "--merge"], ["--checkpoint", "step20"]):
         out = tmp_path / "-".join(args).strip("-")
-        result = export(run_dir, *args, "--out", str(out), env=env)
+        result = export(run_dir, *args, "--out", str(out))
         assert result.returncode == 0, result.stderr[-3000:]
         assert (out / ("config.json" if "--merge" in args else "adapter_config.json")).is_file()
 

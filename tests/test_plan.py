@@ -52,7 +52,7 @@ from launcher.memory import (
     model_state_bytes,
     recommend,
 )
-from tests.conftest import ROOT, compose_config, compose_plain
+from tests.conftest import ROOT, compose_config, compose_plain, saved_for_backward
 
 G = 10**9
 
@@ -608,22 +608,11 @@ def test_activation_estimate_matches_what_autograd_saves(validation_model, dtype
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch_dtype)
     batch = _batch(model, torch_dtype, batch_size=2, seq_len=64)
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(**batch)
+    measured = saved_for_backward(model, batch)
     stats = model_stats.model_stats(cfg, path=path)
     estimated = activation_bytes(stats, Layout(stage=0, dtype=dtype, micro_batch=2), seq_len=64, images=1)
     # The formula also counts the logits' gradients in backward (s V (e + 4) bytes): not saved tensors.
     estimated_saved = estimated - 2 * 64 * stats.vocab_size * (BYTES[dtype] + 4)
-    measured = sum(saved.values())
     print(f"activations {dtype}: estimated {estimated_saved} saved {measured} ratio {estimated_saved / measured:.3f}")
     assert abs(estimated_saved / measured - 1) <= 0.15
 
