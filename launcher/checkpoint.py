@@ -253,18 +253,22 @@ def save(engine: Any, run_dir: Path, step: int, position: DataPosition, meta: di
 @contextlib.contextmanager
 def write_failures_reported(where: Path, what: str = "checkpoint") -> Iterator[None]:
     """A write that fails (disk full, a file size limit, a read-only disk) becomes one line."""
+    from safetensors import SafetensorError
+
     try:
         yield
-    except (OSError, RuntimeError) as err:
-        if isinstance(err, RuntimeError) and not _is_write_failure(err):
+    except (OSError, RuntimeError, SafetensorError) as err:
+        if not isinstance(err, OSError) and not _is_write_failure(err):
             raise
         raise TrainingFailed(_write_failure_message(where, err, what)) from err
 
 
-def _is_write_failure(err: RuntimeError) -> bool:
-    """torch's file writer reports a failed write (disk full, file size limit) only as a RuntimeError."""
+def _is_write_failure(err: Exception) -> bool:
+    """torch's file writer reports a failed write (disk full, file size limit) only as a RuntimeError,
+    safetensors' (save_pretrained) as a SafetensorError naming an I/O error."""
     text = str(err)
-    return any(sign in text for sign in ("PytorchStreamWriter", "inline_container", "file write failed"))
+    signs = ("PytorchStreamWriter", "inline_container", "file write failed", "I/O error")
+    return any(sign in text for sign in signs)
 
 
 def _write_failure_message(where: Path, err: BaseException, what: str = "checkpoint") -> str:

@@ -115,6 +115,7 @@ def export(
     tolerance: float = DEFAULT_TOLERANCE,
 ) -> Exported:
     """Write the run's model to `out`, reload it and compare its logits with the trained model's."""
+    from launcher.checkpoint import write_failures_reported
     from launcher.models import set_pixel_limits
 
     directory = RunDir(Path(run_dir))
@@ -134,9 +135,10 @@ def export(
     partial = out.with_name(f".{out.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        partial.mkdir(parents=True)
-        model.save_pretrained(partial)
-        source.processor.save_pretrained(partial)
+        with write_failures_reported(out, what="the export"):  # a full disk: one line, nothing left
+            partial.mkdir(parents=True)
+            model.save_pretrained(partial)
+            source.processor.save_pretrained(partial)
         reloaded = reload(partial, source.base, adapters=source.adapters and not merge)
         difference = max(float((a - b).abs().max()) for a, b in zip(reference, logits(reloaded, batches), strict=True))
         if not difference <= tolerance:

@@ -88,3 +88,17 @@ def saved_for_backward(model: Any, batch: dict[str, Any]) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         model(**batch)
     return sum(saved.values())
+
+
+def limit_file_size(limit: int) -> Callable[[], None]:
+    """A `preexec_fn` that caps the size of any file the child writes, as a full disk would."""
+
+    def apply() -> None:
+        import resource
+        import signal
+
+        # A write past the limit then fails with EFBIG instead of killing the process (SIGXFSZ).
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, limit_file_size
 from tests.test_models import SIZES
 
 GOOD = {
@@ -441,15 +439,6 @@ def test_bad_input_is_one_clear_error(run_train, request, tmp_path, case):
         assert not run_dir.exists()
 
 
-def _limit_file_size(limit: int):
-    def apply() -> None:
-        # A write past the limit then fails with EFBIG instead of killing the process (SIGXFSZ).
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    return apply
-
-
 @pytest.mark.slow  # it trains: 10 s on a quiet 2-core machine, 30 s on a busy one
 def test_a_failed_checkpoint_write_is_one_line_and_leaves_nothing_that_looks_complete(isolated_env, tmp_path):
     """A real write error while saving: files may grow to 2 MiB, the checkpoint (about 3.5 MiB) cannot.
@@ -463,7 +452,7 @@ def test_a_failed_checkpoint_write_is_one_line_and_leaves_nothing_that_looks_com
         capture_output=True,
         text=True,
         timeout=600,
-        preexec_fn=_limit_file_size(2 * 2**20),
+        preexec_fn=limit_file_size(2 * 2**20),
     )
     message = f"cannot write checkpoint {run_dir / 'checkpoints' / 'step2'} ("
     line = assert_one_clear_error(result, message, 1)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.conftest import ROOT, compose_config
+from tests.conftest import ROOT, compose_config, limit_file_size
 from tests.test_train_e2e import summary
 
 
@@ -133,6 +133,22 @@ def test_zero_stage0_checkpoint_exports(run_train, tmp_path):
     exported = export(run_dir, "--checkpoint", "latest", "--out", str(tmp_path / "out"))
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+    # A disk that fills (here: a file size limit) while the export is written: one line, nothing left.
+    full = tmp_path / "full"
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher.export", str(run_dir), "--out", str(full)],
+        cwd=ROOT,
+        env={**os.environ, "VLM_LAUNCHER_CACHE": str(ROOT / "outputs" / "cache")},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=limit_file_size(64 * 1024),
+    )
+    assert result.returncode == 1, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"cannot write the export {full}" in errors[0] and "Traceback" not in result.stderr
+    assert not full.exists() and not list(tmp_path.glob(".full*"))
 
 
 def test_nonsense_samples_or_tolerance_are_refused(never_trained):
