@@ -37,7 +37,7 @@ def uses_adapters(method: Any) -> bool:
 
 def component_paths(model: nn.Module) -> dict[str, str]:
     """The module name of each component: {"vision": "model.vision_tower", "projector": ..., "language": ...}."""
-    from launcher.models import _components as model_components
+    from launcher.models import model_components
 
     names = {id(module): name for name, module in model.named_modules()}
     return {component: names[id(modules[0])] for component, modules in model_components(model).items()}
@@ -200,13 +200,14 @@ def trainable_components(model: nn.Module) -> set[str]:
     if hasattr(model, "get_base_model"):
         model = model.get_base_model()
     paths = component_paths(model)
-    # The projector first: Qwen2-VL's sits inside its vision module.
+    # The projector first: Qwen2-VL's sits inside its vision module. What lies under no component's
+    # module (the output head) belongs to the language model.
     order = sorted(paths, key=lambda c: c != "projector")
-    trains = set()
-    for name, parameter in model.named_parameters():
-        if parameter.requires_grad:
-            trains.add(next(c for c in [*order, None] if c is None or name.startswith(paths[c] + ".")) or "language")
-    return trains - {None}
+    return {
+        next((c for c in order if name.startswith(paths[c] + ".")), "language")
+        for name, parameter in model.named_parameters()
+        if parameter.requires_grad
+    }
 
 
 def qlora_problem(device_kind: str) -> str | None:

@@ -537,7 +537,7 @@ def enable_gradient_checkpointing(model: nn.Module, *, language: bool, vision: b
     the language model; it is removed again). Works on a peft model as on the model it wraps.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    parts = _components(base)
+    parts = model_components(base)
     enabled = []
     for name, wanted, key in (
         ("language", language, "model.gradient_checkpointing"),
@@ -657,7 +657,7 @@ def text_hidden_size(config) -> int:
     return int(text_config.hidden_size)
 
 
-def _components(model: nn.Module) -> dict[str, list[nn.Module]]:
+def model_components(model: nn.Module) -> dict[str, list[nn.Module]]:
     """The model's vision encoder, projector and language model (decoder + lm_head), as module lists.
 
     LLaVA: model.vision_tower / model.multi_modal_projector / model.language_model + lm_head.
@@ -704,7 +704,7 @@ def apply_freeze(model: nn.Module, *, vision: bool, projector: bool, language: b
     counts: dict[str, int] = {}
     seen: set[int] = set()
     # The projector first: for Qwen2-VL it sits inside the vision module and must not count as vision.
-    for name, modules in sorted(_components(model).items(), key=lambda item: item[0] != "projector"):
+    for name, modules in sorted(model_components(model).items(), key=lambda item: item[0] != "projector"):
         parameters = _parameters(modules, exclude=seen)
         seen.update(parameters)
         counts[name] = sum(_numel(p) for p in parameters.values())
