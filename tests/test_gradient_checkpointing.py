@@ -6,6 +6,7 @@ same on a bigger model (BENCHMARKS.md).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,7 @@ from launcher.models import (
     load_model_and_processor,
 )
 from tests.conftest import compose_config, saved_for_backward
+from tests.test_plan import tiny_stats
 
 VOCABULARY = [QUESTION] + [f"{c} {s}" for c in COLOURS for s in SHAPES]
 SIZES = {
@@ -135,22 +137,9 @@ def test_checkpointing_only_the_parts_asked_for(model_dirs):
 
 
 def _stats(checkpointed: tuple[str, ...]) -> ModelStats:
-    return ModelStats(
-        name="hand",
-        total=100,
-        trainable=100,
-        components={"vision": 10, "projector": 10, "language": 80},
-        frozen=(),
-        largest_layer=40,
-        param_sizes=(40, 30, 20, 5, 5),
-        text=TransformerDims(hidden=4, layers=2, intermediate=8, kv_width=4, gated=True),
-        vocab_size=10,
-        vision=TransformerDims(hidden=2, layers=3, intermediate=4),
-        vision_tokens=5,
-        image_tokens=4,
-        projector_width=6,
-        checkpointed=checkpointed,
-    )
+    """test_plan's hand-made stats, with 3 vision layers so that checkpointing the tower shows."""
+    vision = TransformerDims(hidden=2, layers=3, intermediate=4)
+    return dataclasses.replace(tiny_stats(), vision=vision, checkpointed=checkpointed)
 
 
 def test_the_planner_activation_term_follows_checkpointing():

@@ -109,7 +109,7 @@ def test_nvme_offload_moves_master_and_adam_to_disk():
     assert states.on_device == 0
 
 
-def _tiny_stats(frozen: tuple[str, ...] = ()) -> ModelStats:
+def tiny_stats(frozen: tuple[str, ...] = ()) -> ModelStats:
     return ModelStats(
         name="hand",
         total=100,
@@ -133,18 +133,18 @@ def test_activation_formula_by_hand():
     # vision: 5 tokens x 1 layer x (12*2 + 2*4) = 160; projector: 4 tokens x 6 = 24
     # logits: 7 x 10 x (2*2 + 8) = 840 bytes
     per_sample = 2 * (1204 + 160 + 24) + 840
-    assert activation_bytes(_tiny_stats(), layout, seq_len=7, images=1) == 3 * per_sample
+    assert activation_bytes(tiny_stats(), layout, seq_len=7, images=1) == 3 * per_sample
     # A frozen vision tower keeps nothing for backward; frozen vision and projector: neither does the projector.
-    assert activation_bytes(_tiny_stats(("vision",)), layout, seq_len=7, images=1) == 3 * (per_sample - 2 * 160)
-    frozen = _tiny_stats(("vision", "projector"))
+    assert activation_bytes(tiny_stats(("vision",)), layout, seq_len=7, images=1) == 3 * (per_sample - 2 * 160)
+    frozen = tiny_stats(("vision", "projector"))
     assert activation_bytes(frozen, layout, seq_len=7, images=1) == 3 * (per_sample - 2 * 184)
     # fp32: RMSNorm's upcast is free (8 h instead of 10 h per layer, 2 h for the final norm)
     fp32 = Layout(stage=0, dtype="fp32", micro_batch=1)
-    assert activation_bytes(_tiny_stats(), fp32, seq_len=7, images=1) == 4 * (7 * (2 * 72 + 8) + 184) + 7 * 10 * 16
+    assert activation_bytes(tiny_stats(), fp32, seq_len=7, images=1) == 4 * (7 * (2 * 72 + 8) + 184) + 7 * 10 * 16
 
 
 def test_step_and_buffers_by_hand():
-    stats = _tiny_stats()
+    stats = tiny_stats()
     step, buffers = memory.step_and_buffer_bytes(stats, Layout(stage=0, dtype="bf16", world_size=2))
     assert (step, buffers) == (400, 200)  # fp32 gradients of the FP16 optimizer; the all-reduce flattening
     layout = Layout(stage=3, dtype="bf16", world_size=4, reduce_bucket=8, prefetch_bucket=6)
@@ -154,7 +154,7 @@ def test_step_and_buffers_by_hand():
 
 
 def test_cpu_memory_per_node_is_loading_or_offloaded_states():
-    stats = ModelStats(**{**_tiny_stats().__dict__, "total": G, "trainable": G, "largest_layer": G // 100})
+    stats = ModelStats(**{**tiny_stats().__dict__, "total": G, "trainable": G, "largest_layer": G // 100})
     est = estimate(stats, Layout(stage=2, dtype="bf16", world_size=8, ranks_per_node=8), seq_len=1)
     assert est.cpu_per_node == 8 * 4 * G  # each rank loads the fp32 checkpoint
     est = estimate(
@@ -166,7 +166,7 @@ def test_cpu_memory_per_node_is_loading_or_offloaded_states():
 
 
 def test_fits_and_recommend_take_the_fastest_that_fits():
-    stats = _tiny_stats()
+    stats = tiny_stats()
     target = Target("cuda", device_bytes=1000, cpu_bytes=None, precisions=("bf16", "fp32"), headroom=0.1, source="")
 
     def row(preset: str, dtype: str, need: int) -> Row:
@@ -184,7 +184,7 @@ def test_fits_and_recommend_take_the_fastest_that_fits():
 
 
 def test_on_a_cpu_the_ranks_and_the_offload_share_the_memory():
-    stats = ModelStats(**{**_tiny_stats().__dict__, "total": 10**6, "trainable": 10**6})
+    stats = ModelStats(**{**tiny_stats().__dict__, "total": 10**6, "trainable": 10**6})
     est = estimate(stats, Layout(stage=2, dtype="fp32", world_size=2, ranks_per_node=2), seq_len=1)
     need = 2 * est.device_total + est.cpu_per_node
     ok, _ = fits(est, Target("cpu", need + 1, need + 1, ("fp32",), 0.0, ""))
