@@ -115,7 +115,7 @@ def make_batch(processor, *, size: int, image_size: int, text_words: int, seed: 
             {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]},
             {"role": "assistant", "content": [{"type": "text", "text": f"{list(COLOURS)[index % 6]} circle"}]},
         ]
-        samples.append({"image": Image.fromarray(pixels), "messages": messages})
+        samples.append({"images": [Image.fromarray(pixels)], "messages": messages})
     return Collator(processor)(samples)
 
 

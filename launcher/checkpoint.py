@@ -162,6 +162,7 @@ class DataPosition:
 
     epoch: int = 0
     batches: int = 0
+    sources: dict[str, int] | None = None  # a mixture's samples drawn per source (all ranks), at save
 
 
 class ResumableSampler(DistributedSampler):
@@ -236,6 +237,8 @@ def save(engine: Any, run_dir: Path, step: int, position: DataPosition, meta: di
     with write_failures_reported(checkpoints / tag):
         engine.save_checkpoint(str(checkpoints), tag=tag, save_latest=False)
         own = {"step": step, "epoch": position.epoch, "batches": position.batches, "rng": rng_state()}
+        if position.sources is not None:
+            own["sources"] = position.sources
         torch.save(own, checkpoints / tag / f"launcher_rank{rank}.pt")
     _barrier()  # every rank's files are on disk
     if rank == 0:
@@ -324,7 +327,7 @@ def load(engine: Any, run_dir: Path, tag: str) -> tuple[int, DataPosition, dict[
         ) from err
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {checkpoints / tag}")
-    return int(own["step"]), DataPosition(own["epoch"], own["batches"]), own["rng"]
+    return int(own["step"]), DataPosition(own["epoch"], own["batches"], own.get("sources")), own["rng"]
 
 
 def truncate_metrics(run_dir: Path, step: int) -> None:

@@ -1,10 +1,7 @@
-"""Data: LLaVA-format conversation records, the built-in shapes set, collation and exact-match eval.
+"""Data: the built-in shapes set, sources and mixtures, collation and exact-match eval.
 
-A record (JSON list or JSON lines):
-    {"id": "0", "image": "train/00000.png",
-     "conversations": [{"from": "human", "value": "<image>\\nwhat is in the image?"},
-                       {"from": "gpt", "value": "red circle"}, ...]}
-"image" is relative to the image root; "<image>" marks where the image goes (first human turn).
+Records are read by launcher/formats.py (LLaVA, ShareGPT, OpenAI-style messages; JSON, JSON lines,
+`datasets` files) into one form: {"id", "where", "images", "messages"}, any number of images each.
 
 Collation renders each conversation with the processor's own chat template and tokenizes it with the
 processor (image tokens expanded), so the same code serves tiny builds and real llava-1.5 / Qwen2-VL
@@ -15,11 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
 from bisect import bisect_right
-from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +27,16 @@ from PIL import Image, ImageDraw
 from torch.utils.data import DataLoader, Dataset
 
 from launcher.errors import LauncherError
+from launcher.formats import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    IMAGE_PLACEHOLDER,
+    ReadOptions,
+    looks_like_hub_id,
+    open_image,
+    read_records,
+)
 
 IGNORE_INDEX = -100  # label value the loss skips
-IMAGE_PLACEHOLDER = "<image>"
 QUESTION = "what is in the image?"
 COLOUR_QUESTION = "what colour is the shape?"
 # The built-in set's tasks (data.task): the question each asks, and its answer from (colour, shape).
@@ -39,8 +44,6 @@ TASKS = {
     "shape": (QUESTION, lambda colour, shape: f"{colour} {shape}"),
     "colour": (COLOUR_QUESTION, lambda colour, shape: colour),
 }
-
-_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 # ---------------------------------------------------------------------------------------------------
 # The built-in data set: coloured shapes
@@ -172,161 +175,125 @@ def _read_json(path: Path) -> Any:
 # Loading records
 
 
-def load_records(path: Path, image_root: Path, *, on_bad_record: str = "error") -> tuple[list[dict], int]:
-    """Read and check LLaVA-format records; return (records, number skipped).
+@dataclass
+class Source:
+    """One data source: a file, folder or hub id, its mixture weight, and how to read it."""
 
-    A JSON list or JSON lines (told apart by the first character). Each kept record is
-    {"id", "image" (absolute path), "conversations", "where"}; "where" names the file and record for
-    error messages raised later (an image that fails to decode in a DataLoader worker).
-    on_bad_record="error" raises LauncherError at the first bad record; "skip" skips and counts bad
-    records. An empty result is an error either way. Images are checked for existence here and
-    decoded lazily, in `__getitem__`.
-    """
-    if on_bad_record not in ("error", "skip"):
-        raise LauncherError(f"data.on_bad_record={on_bad_record}: choose 'error' or 'skip'")
-    path, image_root = Path(path), Path(image_root)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as error:
-        raise LauncherError(f"{path}: cannot read the data file ({error.strerror or error})") from error
-    except UnicodeDecodeError as error:
-        raise LauncherError(
-            f"{path}: not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start}); "
-            "the data file must be JSON: a list of records, or one record per line"
-        ) from None
+    name: str
+    path: str
+    weight: float
+    options: ReadOptions
 
-    records, skipped = [], 0
-    for index, line, raw in _parse(path, text, skip=on_bad_record == "skip"):
-        where = f"{path}:{line} (record {index})" if line else f"{path} record {index}"
-        if raw is None:  # malformed JSON line, skipped
-            skipped += 1
-            continue
-        try:
-            records.append(_check_record(raw, where, image_root))
-        except LauncherError:
-            if on_bad_record == "error":
-                raise
-            skipped += 1
-    if not records:
-        reason = f"all {skipped} records are bad and were skipped" if skipped else "it holds no records"
-        raise LauncherError(f"{path}: empty data set ({reason})")
+
+@dataclass
+class LoadedData:
+    """The records of a run: every train record carries "source", its index into `sources`."""
+
+    train: list[dict]
+    eval: list[dict]
+    skipped: int
+    sources: list[Source]
+    formats: list[str]  # each source's format, as read (auto-detected or given)
+
+    @property
+    def mixture(self) -> bool:
+        return len(self.sources) > 1
+
+
+def load_records(path: str | Path, image_root: str | Path | None = None, **options: Any) -> tuple[list[dict], int]:
+    """Read one file's records (any format, see launcher/formats.py); return (records, number skipped)."""
+    root = Path(image_root) if image_root is not None else None
+    records, skipped, _ = read_records(path, ReadOptions(image_root=root, **options))
     return records, skipped
 
 
-def _parse(path: Path, text: str, *, skip: bool) -> Iterable[tuple[int, int | None, Any]]:
-    """Yield (record index, line number or None, parsed record or None when skipped as malformed)."""
-    if text.lstrip().startswith("["):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise LauncherError(f"{path}:{error.lineno}: malformed JSON ({error.msg})") from error
-        yield from ((index, None, raw) for index, raw in enumerate(data))
-        return
-    _refuse_wrapped_records(path, text)
-    index = 0
-    for line_number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            raw = json.loads(line)
-        except json.JSONDecodeError as error:
-            if not skip:
-                raise LauncherError(f"{path}:{line_number}: malformed JSON in record {index} ({error.msg})") from error
-            raw = None
-        yield index, line_number, raw
-        index += 1
+def read_data(data: Any, cache: Path, *, decode: bool = False) -> LoadedData:
+    """The train and eval records of the `data` config (the built-in set is generated first).
+
+    `decode=True` decodes every image while reading, so that under data.on_bad_record=skip a truncated
+    image is skipped here rather than failing a DataLoader worker later."""
+    sources, eval_source = data_sources(data, cache, decode=decode)
+    train, skipped, formats = [], 0, []
+    for index, source in enumerate(sources):
+        records, source_skipped, fmt = read_records(source.path, source.options)
+        for record in records:
+            record["source"] = index
+        train += records
+        skipped += source_skipped
+        formats.append(fmt)
+    eval_records: list[dict] = []
+    if eval_source is not None:
+        eval_records, eval_skipped, _ = read_records(eval_source.path, eval_source.options)
+        skipped += eval_skipped
+    return LoadedData(train, eval_records, skipped, sources, formats)
 
 
-def _refuse_wrapped_records(path: Path, text: str) -> None:
-    """A file holding one JSON object that is not a record (`{"data": [...]}`) is neither format."""
-    if not text.lstrip().startswith("{"):
-        return
-    try:
-        whole = json.loads(text)
-    except json.JSONDecodeError:
-        return  # JSON lines: each line is parsed, and reported, on its own
-    if isinstance(whole, dict) and "conversations" not in whole:
-        keys = ", ".join(repr(key) for key in list(whole)[:5])
-        raise LauncherError(
-            f"{path}: the file is one JSON object (keys {keys}), not records: give a JSON list of records, "
-            "or one record per line (JSON lines)"
-        )
+def data_sources(data: Any, cache: Path, *, decode: bool = False) -> tuple[list[Source], Source | None]:
+    """The training sources (one, or data.sources) and the held-out source of the `data` config."""
+    if data.synthetic:
+        train_file, eval_file, image_root = prepare_data(data, cache)
+        options = _read_options(data, cache, image_root=image_root, decode=decode)
+        return [Source(str(data.name), str(train_file), 1.0, options)], Source("eval", str(eval_file), 1.0, options)
+    if data.image_root and not Path(str(data.image_root)).expanduser().is_dir():
+        raise LauncherError(f"data.image_root={data.image_root}: no such directory")
+    listed = list(data.get("sources") or [])
+    if listed and data.path:
+        raise LauncherError("data.path and data.sources are both set: give one file (data.path) or a mixture")
+    if not listed and not data.path:
+        raise LauncherError(f"data.path is not set for data={data.name}: give the training file, folder or hub id")
+    entries = listed or [{"path": data.path, "weight": 1.0}]
+    sources = []
+    for index, entry in enumerate(entries):
+        key = f"data.sources[{index}]" if listed else "data"
+        path = _existing_data_path(entry.get("path"), f"{key}.path")
+        weight = entry.get("weight", 1.0)
+        if not isinstance(weight, int | float) or not math.isfinite(weight) or weight <= 0:
+            raise LauncherError(f"{key}.weight={weight}: a mixture weight must be a positive number")
+        name = entry.get("name") or Path(path).stem or f"source{index}"
+        root = entry.get("image_root") or data.image_root
+        options = _read_options(data, cache, image_root=root, decode=decode, fmt=entry.get("format"))
+        sources.append(Source(str(name), path, float(weight), options))
+    names = [source.name for source in sources]
+    if len(set(names)) < len(names):
+        raise LauncherError(f"data.sources: names {names} repeat; give each source a distinct name")
+    eval_source = None
+    if data.eval_path:
+        path = _existing_data_path(data.eval_path, "data.eval_path")
+        eval_options = _read_options(data, cache, image_root=data.image_root, decode=decode)
+        eval_source = Source("eval", path, 1.0, replace(eval_options, split=str(data.get("eval_split") or "train")))
+    return sources, eval_source
 
 
-def _check_record(raw: Any, where: str, image_root: Path) -> dict:
-    if not isinstance(raw, dict):
-        raise LauncherError(f"{where}: a record must be an object with 'image' and 'conversations'")
-    for key in ("image", "conversations"):
-        if key not in raw:
-            raise LauncherError(f"{where}: missing '{key}'")
-    image = raw["image"]
-    if not isinstance(image, str) or not image:
-        raise LauncherError(f"{where}: 'image' must be a relative path")
-    turns = raw["conversations"]
-    if not isinstance(turns, list) or not turns:
-        raise LauncherError(f"{where}: 'conversations' must be a non-empty list of turns")
-    for turn in turns:
-        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
-            raise LauncherError(f"{where}: every turn needs 'from' and a string 'value'")
-        if turn.get("from") not in _ROLES:
-            raise LauncherError(f"{where}: unknown speaker {turn.get('from')!r} (use human, gpt or system)")
-    roles = [_ROLES[turn["from"]] for turn in turns]
-    if "assistant" not in roles:
-        raise LauncherError(f"{where}: no assistant ('gpt') turn to learn from")
-    if "user" not in roles[: roles.index("assistant")]:
-        raise LauncherError(f"{where}: the first assistant turn must follow a human turn")
-    if any(IMAGE_PLACEHOLDER in t["value"] for t, role in zip(turns, roles, strict=True) if role != "user"):
-        raise LauncherError(f"{where}: '{IMAGE_PLACEHOLDER}' must be in a human turn")
-    placeholders = sum(turn["value"].count(IMAGE_PLACEHOLDER) for turn in turns)
-    if placeholders > 1:
-        raise LauncherError(f"{where}: '{IMAGE_PLACEHOLDER}' appears {placeholders} times; one image per record")
-    try:
-        image_path = (image_root / image).resolve()
-        if image_path.is_dir():
-            raise LauncherError(f"{where}: image {image_path} is a directory, not an image file")
-        if not image_path.is_file():
-            raise LauncherError(f"{where}: image file {image_path} does not exist")
-    except (OSError, RuntimeError) as error:  # a symlink loop (RuntimeError before Python 3.13), a name too long
-        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-        raise LauncherError(f"{where}: image path {image_root / image} cannot be read ({reason})") from None
-    return {
-        "id": str(raw.get("id", where)),
-        "image": str(image_path),
-        "conversations": [{"from": turn["from"], "value": turn["value"]} for turn in turns],
-        "where": where,
-    }
+def _read_options(data: Any, cache: Path, *, image_root: Any, decode: bool, fmt: Any = None) -> ReadOptions:
+    return ReadOptions(
+        format=str(fmt or data.get("format") or "auto"),
+        image_root=Path(str(image_root)).expanduser() if image_root else None,
+        on_bad_record=str(data.on_bad_record),
+        max_image_pixels=int(data.get("max_image_pixels") or DEFAULT_MAX_IMAGE_PIXELS),
+        decode=decode,
+        split=str(data.get("split") or "train"),
+        cache_dir=cache / "hf_datasets",
+    )
+
+
+def _existing_data_path(path: Any, key: str) -> str:
+    """A local file or folder that exists, or something that looks like a hub id ("org/name")."""
+    if not path:
+        raise LauncherError(f"{key} is not set: give the training file, folder or hub id")
+    local = Path(str(path)).expanduser()
+    if local.exists():
+        return str(local)
+    if looks_like_hub_id(str(path)):
+        return str(path)
+    raise LauncherError(f"{key}={path}: no such file or folder")
 
 
 # ---------------------------------------------------------------------------------------------------
 # Dataset
 
 
-def to_chat_messages(conversations: list[dict]) -> list[dict]:
-    """LLaVA turns -> chat-template messages with typed content.
-
-    The image goes where "<image>" stands (or before the first human turn's text when there is no
-    placeholder, as LLaVA does); the placeholder's surrounding newline is the template's business.
-    """
-    has_placeholder = any(IMAGE_PLACEHOLDER in turn["value"] for turn in conversations)
-    messages, image_placed = [], False
-    for turn in conversations:
-        role = _ROLES[turn["from"]]
-        content: list[dict] = []
-        if role == "user" and not has_placeholder and not image_placed:
-            content.append({"type": "image"})
-            image_placed = True
-        pieces = turn["value"].split(IMAGE_PLACEHOLDER)
-        for number, piece in enumerate(pieces):
-            if number:
-                content.append({"type": "image"})
-            if piece.strip():
-                content.append({"type": "text", "text": piece.strip()})
-        messages.append({"role": role, "content": content})
-    return messages
-
-
 class ConversationDataset(Dataset):
-    """Records -> {"id", "image": RGB PIL image, "messages": chat messages}; images decode here, in workers."""
+    """Records -> {"id", "images": RGB PIL images, "messages", "source"}; images decode here, in workers."""
 
     def __init__(self, records: list[dict]):
         self.records = records
@@ -336,12 +303,8 @@ class ConversationDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict:
         record = self.records[index]
-        try:
-            with Image.open(record["image"]) as image:
-                pixels = image.convert("RGB")
-        except (OSError, ValueError, Image.DecompressionBombError) as error:
-            raise LauncherError(f"{record['where']}: cannot decode image {record['image']} ({error})") from error
-        return {"id": record["id"], "image": pixels, "messages": to_chat_messages(record["conversations"])}
+        images = [open_image(image, record["where"]) for image in record["images"]]
+        return {"id": record["id"], "images": images, "messages": record["messages"], "source": record.get("source", 0)}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -396,15 +359,22 @@ class Collator:
     The batch holds exactly what the processor returns for the model (input_ids, attention_mask,
     pixel_values, and for Qwen2-VL image_grid_thw and mm_token_type_ids) plus `labels`. For tokens/s
     count non-pad tokens as `int(batch["attention_mask"].sum())`.
+
+    `image_every_batch`: a batch without images gets a dummy one (see `add_dummy_image`), so that the
+    vision tower runs on every batch: under ZeRO-3 with several ranks every rank must gather the same
+    parameters in the same order, or the collectives wait forever. `with_sources` adds "sources" (the
+    source index of each sample, for per-source metrics; pop it before the forward).
     """
 
-    def __init__(self, processor):
+    def __init__(self, processor, *, image_every_batch: bool = False, with_sources: bool = False):
         self.processor = processor
+        self.image_every_batch = image_every_batch
+        self.with_sources = with_sources
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
         rendered = [render_with_assistant_spans(self.processor, sample["messages"]) for sample in samples]
         texts, spans = [text for text, _ in rendered], [spans for _, spans in rendered]
-        batch = _encode(self.processor, texts, [s["image"] for s in samples], padding_side="right")
+        batch = _encode(self.processor, texts, [s["images"] for s in samples], padding_side="right")
         offsets = batch.pop("offset_mapping")
         replacements = batch.pop("text_replacement_offsets")
         token_start, token_end = offsets[..., 0], offsets[..., 1]
@@ -413,14 +383,19 @@ class Collator:
             for start, end in _expanded_spans(row_spans, row_replacements):
                 # Tokens overlapping the span; zero-width entries (padding, an added bos) never do.
                 supervised[row] |= (token_start[row] < end) & (token_end[row] > start)
+        batch = dict(batch)
         batch["labels"] = batch["input_ids"].masked_fill(~supervised, IGNORE_INDEX)
-        return dict(batch)
+        if self.image_every_batch and "pixel_values" not in batch:
+            batch = add_dummy_image(self.processor, batch, padding_side="right")
+        if self.with_sources:
+            batch["sources"] = torch.tensor([s.get("source", 0) for s in samples])
+        return batch
 
 
-def _encode(processor, texts: list[str], images: list, *, padding_side: str):
+def _encode(processor, texts: list[str], images: list[list], *, padding_side: str):
     batch = processor(
         text=texts,
-        images=images,
+        images=images if any(images) else None,
         padding=True,
         padding_side=padding_side,
         return_tensors="pt",
@@ -435,6 +410,30 @@ def _encode(processor, texts: list[str], images: list, *, padding_side: str):
     return batch
 
 
+def add_dummy_image(processor, batch: dict[str, torch.Tensor], *, padding_side: str) -> dict[str, torch.Tensor]:
+    """The batch with a blank image's tokens added to row 0, where nothing sees them.
+
+    The image's tokens go after the padding (right-padded batches) or before it (left-padded) with
+    attention mask 0 and label IGNORE_INDEX: no real token attends to them, no loss is taken on them,
+    so the loss, and every gradient, is what it was (the vision tower's gradient from them is zero),
+    while the forward runs the vision tower as for any batch with images."""
+    dummy = processor(text=[processor.image_token], images=[Image.new("RGB", (32, 32))], return_tensors="pt")
+    width, rows = dummy["input_ids"].shape[1], batch["input_ids"].shape[0]
+    fills = {"input_ids": processor.tokenizer.pad_token_id, "attention_mask": 0, "labels": IGNORE_INDEX}
+    out = dict(batch)
+    for key, value in batch.items():
+        if value.dim() != 2 or value.shape[0] != rows or key not in (*fills, "mm_token_type_ids"):
+            continue
+        extra = torch.full((rows, width), fills.get(key, 0), dtype=value.dtype)
+        if key in ("input_ids", "mm_token_type_ids"):
+            extra[0] = dummy[key][0]
+        out[key] = torch.cat([value, extra] if padding_side == "right" else [extra, value], dim=1)
+    for key, value in dummy.items():
+        if key not in batch:  # pixel_values, image_grid_thw
+            out[key] = value
+    return out
+
+
 def _expanded_spans(spans: list[tuple[int, int]], replacements: list[dict]) -> list[tuple[int, int]]:
     """Move character spans of the rendered text to the text with image placeholders expanded."""
     placeholder_ends = [r["span"][1] for r in replacements]
@@ -447,11 +446,12 @@ class PromptCollator:
     """Samples -> (left-padded prompt batch for `generate`, reference answers).
 
     The prompt is the conversation up to the last assistant turn plus the generation prompt; the
-    reference is that turn's text.
+    reference is that turn's text. `image_every_batch` as for `Collator`.
     """
 
-    def __init__(self, processor):
+    def __init__(self, processor, *, image_every_batch: bool = False):
         self.processor = processor
+        self.image_every_batch = image_every_batch
 
     def __call__(self, samples: list[dict]) -> tuple[dict[str, torch.Tensor], list[str]]:
         texts, answers = [], []
@@ -460,10 +460,14 @@ class PromptCollator:
             last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
             texts.append(_render(self.processor, messages[:last], add_generation_prompt=True))
             answers.append(" ".join(p["text"] for p in messages[last]["content"] if p["type"] == "text"))
-        batch = self.processor(
-            text=texts, images=[s["image"] for s in samples], padding=True, padding_side="left", return_tensors="pt"
+        images = [s["images"] for s in samples]
+        encoded = self.processor(
+            text=texts, images=images if any(images) else None, padding=True, padding_side="left", return_tensors="pt"
         )
-        return dict(batch), answers
+        batch = dict(encoded)
+        if self.image_every_batch and "pixel_values" not in batch:
+            batch = add_dummy_image(self.processor, batch, padding_side="left")
+        return batch, answers
 
 
 def normalize_answer(text: str) -> str:
@@ -483,7 +487,8 @@ def exact_match_accuracy(
     """
     loader = dataset_or_loader
     if isinstance(dataset_or_loader, Dataset):
-        loader = DataLoader(dataset_or_loader, batch_size=batch_size, collate_fn=PromptCollator(processor))
+        collate = PromptCollator(processor, image_every_batch=synced_gpus)
+        loader = DataLoader(dataset_or_loader, batch_size=batch_size, collate_fn=collate)
     tokenizer = processor.tokenizer
     was_training = model.training
     model.eval()
@@ -510,24 +515,11 @@ def exact_match_accuracy(
     return correct, total
 
 
-def prepare_data(data: Any, cache: Path) -> tuple[Path, Path | None, Path]:
-    """The train file, eval file and image root of the `data` config; the built-in set is generated first."""
-    if data.synthetic:
-        task = str(data.get("task") or "shape")  # a config saved before data.task existed asks "shape"
-        out = cache / "data" / f"{data.name}_{task}_seed{data.seed}_n{data.n_train}_{data.n_eval}_px{data.image_size}"
-        train_file, eval_file, image_root = generate_shapes(
-            out, seed=data.seed, n_train=data.n_train, n_eval=data.n_eval, image_size=data.image_size, task=task
-        )
-        return Path(train_file), Path(eval_file), Path(image_root)
-    if not data.path:
-        raise LauncherError(f"data.path is not set for data={data.name}: give the training JSON file")
-    train_file = Path(data.path).expanduser()
-    if not train_file.is_file():
-        raise LauncherError(f"data.path={data.path}: no such file")
-    eval_file = Path(data.eval_path).expanduser() if data.eval_path else None
-    if eval_file is not None and not eval_file.is_file():
-        raise LauncherError(f"data.eval_path={data.eval_path}: no such file")
-    image_root = Path(data.image_root).expanduser() if data.image_root else train_file.parent
-    if not image_root.is_dir():
-        raise LauncherError(f"data.image_root={image_root}: no such directory")
-    return train_file, eval_file, image_root
+def prepare_data(data: Any, cache: Path) -> tuple[Path, Path, Path]:
+    """The built-in set's train file, eval file and image root, generated first when not cached."""
+    task = str(data.get("task") or "shape")  # a config saved before data.task existed asks "shape"
+    out = cache / "data" / f"{data.name}_{task}_seed{data.seed}_n{data.n_train}_{data.n_eval}_px{data.image_size}"
+    train_file, eval_file, image_root = generate_shapes(
+        out, seed=data.seed, n_train=data.n_train, n_eval=data.n_eval, image_size=data.image_size, task=task
+    )
+    return Path(train_file), Path(eval_file), Path(image_root)

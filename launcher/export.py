@@ -281,13 +281,14 @@ def reload(directory: Path, base: str, *, adapters: bool) -> Any:
 
 def held_out_batches(cfg: Any, processor: Any, samples: int) -> list[dict[str, Any]]:
     """A few samples of the run's held-out split (its training split when it has none), collated."""
-    from launcher.data import Collator, ConversationDataset, load_records, prepare_data
+    from omegaconf import OmegaConf
+
+    from launcher.data import Collator, ConversationDataset, read_data
 
     cache = Path(str(cfg.cache_dir)).expanduser().absolute()
-    train_file, eval_file, image_root = prepare_data(cfg.data, cache)
-    records, _ = load_records(eval_file or train_file, image_root, on_bad_record="skip")
-    if not records:
-        raise LauncherError(f"{eval_file or train_file}: no usable record to compare the export on")
+    data = OmegaConf.merge(cfg.data, {"on_bad_record": "skip"})
+    loaded = read_data(data, cache, decode=True)
+    records = loaded.eval or loaded.train
     dataset = ConversationDataset(records[: max(1, samples)])
     collate = Collator(processor)
     return [collate([dataset[i] for i in range(s, min(s + 4, len(dataset)))]) for s in range(0, len(dataset), 4)]

@@ -27,15 +27,12 @@ def model_dir(cfg: DictConfig) -> str:
         if not model.path:
             raise LauncherError(f"model.path is empty for model={model.name}: give a hub id or a local directory")
         return str(model.path)
-    from launcher.data import load_records, prepare_data
+    from launcher.data import read_data
     from launcher.models import resolve_model_path
 
     cache = Path(cfg.cache_dir).expanduser().absolute()
-    train_file, eval_file, image_root = prepare_data(cfg.data, cache)
-    records, _ = load_records(train_file, image_root, on_bad_record=cfg.data.on_bad_record)
-    if eval_file is not None:
-        records += load_records(eval_file, image_root, on_bad_record=cfg.data.on_bad_record)[0]
-    return resolve_model_path(model, int(cfg.train.seed), cache, records)
+    loaded = read_data(cfg.data, cache)
+    return resolve_model_path(model, int(cfg.train.seed), cache, loaded.train + loaded.eval)
 
 
 def meta_model(cfg: DictConfig, path: str | None = None):

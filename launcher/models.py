@@ -728,7 +728,9 @@ def resolve_model_path(model: Any, seed: int, cache: Path, records: list[dict[st
     `model` is the model config; `seed` (train.seed) initialises a tiny model's weights."""
     if model.source == "pretrained":
         return str(model.path)
-    texts = sorted({turn["value"] for record in records for turn in record["conversations"]})
+    from launcher.formats import record_texts
+
+    texts = sorted({text for record in records for text in record_texts(record)})
     dims = {
         "hidden_size": model.hidden_size,
         "num_layers": model.num_layers,

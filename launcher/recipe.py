@@ -38,6 +38,7 @@ from launcher.errors import LauncherError, TrainingFailed, one_line, record_rank
 from launcher.job import plain
 from launcher.rundir import RunDir, Summary, read_json
 from launcher.schema import OBJECTIVES
+from launcher.watchdog import StepWatchdog
 
 log = logging.getLogger("launcher")
 
@@ -113,6 +114,15 @@ class Data:
     eval_loader: Any | None
     accuracy_set: Any | None  # this rank's share of the exact-match samples
     records_skipped: int
+    sampler: Any = None
+    source_names: list[str] = field(default_factory=list)  # of a mixture (data.sources); empty otherwise
+    cache: dict[str, Any] = field(default_factory=dict)  # what the data cache did (summary.extra["data_cache"])
+
+    def source_counts(self, global_draws: int) -> dict[str, int]:
+        """Training samples drawn from each source of a mixture so far (all ranks)."""
+        if not self.source_names:
+            return {}
+        return dict(zip(self.source_names, self.sampler.source_counts(global_draws), strict=True))
 
 
 @dataclass
@@ -175,6 +185,7 @@ def train(cfg: DictConfig, run_dir: Path) -> Summary:
     if cfg_secrets := credentials.from_environment():  # the files hold "<redacted>" for credentials
         cfg = OmegaConf.create(credentials.restore(OmegaConf.to_container(cfg, resolve=True), cfg_secrets))
     session: Session | None = None
+    watchdog: StepWatchdog | None = None
     job = read_json(directory.job)
     summary = Summary.for_job(job)
     rank = 0
@@ -195,8 +206,10 @@ def train(cfg: DictConfig, run_dir: Path) -> Summary:
         if place.is_main and job.get("resume_tag"):
             directory.write_summary(summary)
         stopped_at = None
+        watchdog = StepWatchdog(directory.path, rank, cfg.dist.get("step_timeout_s"), launch=job.get("launch_id"))
         for step in range(session.start_step + 1, int(cfg.train.max_steps) + 1):
-            metrics = train_step(session, step)
+            with watchdog.step(step):
+                metrics = train_step(session, step)
             if evaluation_due(cfg, step):
                 metrics.update(evaluate(session))
             record(session, step, metrics)
@@ -209,6 +222,8 @@ def train(cfg: DictConfig, run_dir: Path) -> Summary:
     except BaseException as err:
         raise _failed(err, directory, rank, summary, session, resuming=bool(job.get("resume_tag"))) from err
     finally:
+        if watchdog is not None:
+            watchdog.close()
         # Without this, rank 0 aborts at exit ("terminate called without an active exception").
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -250,8 +265,8 @@ def setup(s: Session) -> None:
     ds_config = credentials.restore(read_json(s.run_dir.ds_config), credentials.of_deepspeed_dict(plain(cfg)))
     _seed_everything(int(cfg.train.seed))
     cache = Path(cfg.cache_dir).expanduser().absolute()
-    records, eval_records, skipped = load_data(cfg, cache, rank, micro=int(ds_config["train_micro_batch_size_per_gpu"]))
-    model, s.processor = setup_model(s, ds_config, cache, records + eval_records)
+    loaded = load_data(cfg, cache, rank, micro=int(ds_config["train_micro_batch_size_per_gpu"]))
+    model, s.processor = setup_model(s, ds_config, cache, loaded.train + loaded.eval)
     trainable = [p for p in model.parameters() if p.requires_grad]
     import deepspeed
 
@@ -261,7 +276,7 @@ def setup(s: Session) -> None:
     s.summary.world_size = rank.world_size
     s.summary.precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(s.dtype, "fp32")
     s.summary.extra["params_held_per_rank"] = _params_held_per_rank(s.engine, rank.device)
-    s.data = setup_data(s, records, eval_records, skipped)
+    s.data = setup_data(s, loaded, cache)
     s.checkpoint_meta = {
         "world_size": rank.world_size,
         "zero_stage": s.summary.zero_stage,
@@ -280,27 +295,31 @@ def setup(s: Session) -> None:
     s.engine.train()
 
 
-def load_data(cfg: DictConfig, cache: Path, rank: Rank, *, micro: int) -> tuple[list[dict], list[dict], int]:
-    """The train and eval records; rank 0 generates the built-in set first while the others wait."""
-    from launcher.data import load_records, prepare_data
+def load_data(cfg: DictConfig, cache: Path, rank: Rank, *, micro: int) -> Any:
+    """The train and eval records (LoadedData); rank 0 generates the built-in set first while the others wait."""
+    from launcher.data import prepare_data, read_data
 
-    if rank.is_main:
+    if rank.is_main and cfg.data.synthetic:
         prepare_data(cfg.data, cache)
     _barrier()
-    train_file, eval_file, image_root = prepare_data(cfg.data, cache)
-    records, skipped = load_records(train_file, image_root, on_bad_record=cfg.data.on_bad_record)
-    eval_records: list[dict[str, Any]] = []
-    if eval_file is not None:
-        eval_records, eval_skipped = load_records(eval_file, image_root, on_bad_record=cfg.data.on_bad_record)
-        skipped += eval_skipped
+    # Under on_bad_record=skip an image that does not decode must be found before training: the cache
+    # build decodes every image anyway; without the cache the records are decoded here once.
+    decode = str(cfg.data.on_bad_record) == "skip" and not cfg.data.cache
+    loaded = read_data(cfg.data, cache, decode=decode)
     if rank.is_main:
-        log.info("data: %d train, %d eval records (%d bad records skipped)", len(records), len(eval_records), skipped)
-    if len(records) < micro * rank.world_size:
+        log.info(
+            "data: %d train, %d eval records (%d bad records skipped); format %s",
+            len(loaded.train),
+            len(loaded.eval),
+            loaded.skipped,
+            ", ".join(f"{source.name}={fmt}" for source, fmt in zip(loaded.sources, loaded.formats, strict=True)),
+        )
+    if len(loaded.train) < micro * rank.world_size:
         raise LauncherError(
-            f"data.path={train_file}: {len(records)} records, fewer than one global micro-batch "
+            f"data: {len(loaded.train)} usable training records, fewer than one global micro-batch "
             f"({micro} x {rank.world_size} ranks)"
         )
-    return records, eval_records, skipped
+    return loaded
 
 
 def setup_model(s: Session, ds_config: dict[str, Any], cache: Path, records: list[dict]) -> tuple[Any, Any]:
@@ -388,44 +407,112 @@ def setup_model(s: Session, ds_config: dict[str, Any], cache: Path, records: lis
     return model, processor
 
 
-def setup_data(s: Session, records: list[dict], eval_records: list[dict], skipped: int) -> Data:
-    """Loaders for training (resumable, sharded by rank), held-out loss and exact-match accuracy."""
+def setup_data(s: Session, loaded: Any, cache: Path) -> Data:
+    """Loaders for training (resumable, sharded by rank), held-out loss and exact-match accuracy.
+
+    With data.cache the records are decoded and tokenized once, by rank 0 while the others wait, and
+    training reads tensors. At ZeRO-3 with several ranks every batch runs the vision tower (a dummy
+    image where a batch has none): otherwise ranks whose batches differ in modality hang."""
     from torch.utils.data import DataLoader, DistributedSampler
 
     from launcher.data import Collator, ConversationDataset
+    from launcher.data_cache import CachedCollator
+    from launcher.sampling import LengthGroupedSampler, MixtureSampler
 
     cfg, rank, micro = s.cfg, s.rank, s.micro
-    train_set = ConversationDataset(records)
-    sampler = checkpoint.ResumableSampler(
-        train_set, num_replicas=rank.world_size, rank=rank.rank, shuffle=True, seed=int(cfg.train.seed)
-    )
+    guard = cfg.data.get("modality_guard")
+    if guard is None:
+        guard = s.engine.zero_optimization_stage() == 3 and rank.world_size > 1
+    skipped = loaded.skipped
+    cache_info: dict[str, Any] = {}
+    if cfg.data.cache:
+        train_set, train_cache = _cached_dataset(s, loaded.train, cache)
+        collate: Any = CachedCollator(s.processor, image_every_batch=guard)
+        skipped += train_cache.skipped
+        cache_info = {"path": str(train_cache.path), "built": train_cache.built, "build_s": train_cache.build_seconds}
+        sources = train_set.sources
+    else:
+        train_set, collate = ConversationDataset(loaded.train), Collator(s.processor, image_every_batch=guard)
+        sources = [record["source"] for record in loaded.train]
+    seed = int(cfg.train.seed)
+    placement = {"num_replicas": rank.world_size, "rank": rank.rank, "seed": seed}
+    if loaded.mixture:
+        sizes = [sources.count(index) for index in range(len(loaded.sources))]
+        sampler: Any = MixtureSampler(sizes, [source.weight for source in loaded.sources], **placement)
+    elif cfg.data.group_by_length:
+        sampler = LengthGroupedSampler(train_set.lengths(), micro=micro, **placement)
+    else:
+        sampler = checkpoint.ResumableSampler(train_set, shuffle=True, **placement)
     workers = int(cfg.data.num_workers)
     loader_args = {
         "num_workers": workers,
         "persistent_workers": workers > 0,
-        "collate_fn": Collator(s.processor),
         "worker_init_fn": _die_with_rank,  # no DataLoader worker outlives a rank killed by a signal
     }
     # Each loader draws its workers' seed from a generator of its own, not from the global one (whose
     # restored state a resumed run's extra draws would shift): see checkpoint.batches.
     train_loader = DataLoader(
-        train_set, batch_size=micro, sampler=sampler, drop_last=True, generator=torch.Generator(), **loader_args
+        train_set,
+        batch_size=micro,
+        sampler=sampler,
+        drop_last=True,
+        generator=torch.Generator(),
+        collate_fn=collate,
+        **loader_args,
     )
     eval_loader = accuracy_set = None
-    if eval_records:
-        eval_set = ConversationDataset(eval_records)
+    if loaded.eval:
+        if cfg.data.cache:
+            eval_set, eval_cache = _cached_dataset(s, loaded.eval, cache)
+            eval_collate: Any = CachedCollator(s.processor, image_every_batch=guard)
+            skipped += eval_cache.skipped
+        else:
+            eval_set, eval_collate = ConversationDataset(loaded.eval), Collator(s.processor, image_every_batch=guard)
         eval_sampler = DistributedSampler(eval_set, num_replicas=rank.world_size, rank=rank.rank, shuffle=False)
-        eval_generator = torch.Generator().manual_seed(int(cfg.train.seed))
+        eval_generator = torch.Generator().manual_seed(seed)
         eval_loader = DataLoader(
-            eval_set, batch_size=micro, sampler=eval_sampler, generator=eval_generator, **loader_args
-        )
+            eval_set, batch_size=micro, sampler=eval_sampler, generator=eval_generator, collate_fn=eval_collate,
+            **loader_args,
+        )  # fmt: skip
         if cfg.data.eval_accuracy:
             # The same number of samples per rank: under ZeRO-3 the ranks' generate calls run in lock-step.
-            usable = min(int(cfg.data.eval_samples), len(eval_records)) // rank.world_size * rank.world_size
-            accuracy_set = ConversationDataset(eval_records[:usable][rank.rank :: rank.world_size])
+            usable = min(int(cfg.data.eval_samples), len(loaded.eval)) // rank.world_size * rank.world_size
+            accuracy_set = ConversationDataset(loaded.eval[:usable][rank.rank :: rank.world_size])
     position = checkpoint.DataPosition()
     batches = checkpoint.batches(train_loader, sampler, position, micro)
-    return Data(batches, position, eval_loader, accuracy_set, skipped)
+    names = [source.name for source in loaded.sources] if loaded.mixture else []
+    return Data(batches, position, eval_loader, accuracy_set, skipped, sampler, names, cache_info)
+
+
+def _cached_dataset(s: Session, records: list[dict], cache: Path) -> tuple[Any, Any]:
+    """The records as a CachedDataset; rank 0 builds the cache when missing while the others wait."""
+    from launcher.data import ConversationDataset
+    from launcher.data_cache import CachedDataset, RecordEncoder, ensure_cache
+
+    def build() -> Any:
+        return ensure_cache(
+            cache / "data_cache",
+            records,
+            s.processor,
+            s.summary.extra["base_model"],
+            RecordEncoder(s.processor),
+            ConversationDataset(records).__getitem__,
+            on_bad_record=str(s.cfg.data.on_bad_record),
+            num_workers=int(s.cfg.data.num_workers),
+        )
+
+    if s.rank.is_main:
+        info = build()
+        log.info(
+            "data cache %s: %s (%d records, %d skipped)",
+            info.path,
+            f"built in {info.build_seconds:.1f} s" if info.built else "reused",
+            info.records,
+            info.skipped,
+        )
+    _barrier()
+    info = build() if not s.rank.is_main else info
+    return CachedDataset(info.path), info
 
 
 def resume(s: Session) -> dict[str, Any] | None:
@@ -437,11 +524,27 @@ def resume(s: Session) -> dict[str, Any] | None:
         return None
     s.start_step, position, rng = checkpoint.load(s.engine, s.run_dir.path, tag)
     s.data.position.epoch, s.data.position.batches = position.epoch, position.batches
+    if position.sources is not None:  # a mixture: the same data must resume at the same place in each source
+        _check_mixture_position(s, position)
     s.summary.extra["resumed_from_step"] = s.start_step
     if s.rank.is_main:
         checkpoint.truncate_metrics(s.run_dir.path, s.start_step)
         log.info("resumed from %s at step %d", s.run_dir.checkpoints / tag, s.start_step)
     return rng
+
+
+def _check_mixture_position(s: Session, saved: checkpoint.DataPosition) -> None:
+    expected = s.data.source_counts(_global_draws(s, saved.batches))
+    if saved.sources != expected:
+        raise LauncherError(
+            f"the checkpoint drew {saved.sources} samples per source, the data now gives {expected} at the same "
+            "step: data.sources (files, weights or names) changed since it was saved; resume with the same mixture"
+        )
+
+
+def _global_draws(s: Session, batches: int) -> int:
+    """Training samples all ranks drew from the stream after `batches` micro-batches each."""
+    return batches * s.micro * s.rank.world_size
 
 
 # ----------------------------------------------------------------------------- one step
@@ -480,6 +583,8 @@ def train_step(s: Session, step: int) -> dict[str, float]:
         "perf/data_wait_frac": wait / step_time,
         "mem/peak_bytes": _peak_memory_bytes(device),
     }
+    for name, count in s.data.source_counts(_global_draws(s, s.data.position.batches)).items():
+        metrics[f"data/samples_{name}"] = count  # cumulative: the mixture's realised shares
     if s.dtype == torch.float16:
         metrics["train/loss_scale"] = float(getattr(engine.optimizer, "cur_scale", math.nan))
     return metrics
@@ -569,6 +674,8 @@ def save(s: Session, step: int) -> None:
 
     DeepSpeed stores its config dict in the checkpoint: it stores the one without credentials."""
     keep = int(s.cfg.train.keep_checkpoints)
+    if s.data.source_names:
+        s.data.position.sources = s.data.source_counts(_global_draws(s, s.data.position.batches))
     real = s.engine.config
     s.engine.config = credentials.split(real)[0]
     try:
@@ -598,6 +705,10 @@ def finish(s: Session, stopped_at: int | None) -> Summary:
     summary.tokens_per_sec = throughput.per_second(throughput.tokens)
     summary.peak_memory_bytes = _peak_memory_bytes(s.rank.device)
     summary.extra["records_skipped"] = s.data.records_skipped
+    if s.data.cache:
+        summary.extra["data_cache"] = s.data.cache
+    if s.data.source_names:
+        summary.extra["samples_per_source"] = s.data.source_counts(_global_draws(s, s.data.position.batches))
     summary.objective = getattr(summary, OBJECTIVES[str(s.cfg.objective)])
     if s.rank.is_main:
         s.run_dir.write_summary(summary)

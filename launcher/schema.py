@@ -41,6 +41,7 @@ OffloadDevice = _choice("OffloadDevice", ("none", "cpu", "nvme"))
 ModelSource = _choice("ModelSource", ("tiny", "pretrained"))
 TinyArch = _choice("TinyArch", ("tiny_llava", "tiny_qwen2_vl"))
 OnBadRecord = _choice("OnBadRecord", ("error", "skip"))
+DataFormat = _choice("DataFormat", ("auto", "llava", "sharegpt", "messages"))
 DistLauncher = _choice("DistLauncher", ("local", "torchrun", "deepspeed", "slurm"))
 DistBackend = _choice("DistBackend", ("auto", "nccl", "gloo", "ccl"))
 LoggerMode = _choice("LoggerMode", ("auto", "online", "offline", "disabled"))
@@ -199,16 +200,41 @@ class MethodConfig:
 
 
 @dataclass
+class SourceConfig:
+    """One source of a mixture (data.sources): its file, folder or hub id, and its share of the draws."""
+
+    path: str = MISSING
+    weight: float = 1.0
+    name: str | None = None  # in per-source metrics (default: the file's name)
+    format: DataFormat | None = None  # default: data.format
+    image_root: str | None = None  # default: data.image_root, else the file's folder
+
+
+@dataclass
 class DataConfig:
-    """A data set in LLaVA conversation format; `synthetic: true` generates the built-in one first."""
+    """A data set (JSON/JSON lines in llava, sharegpt or messages format, or `datasets` files), or a
+    mixture of several (data.sources); `synthetic: true` generates the built-in one first."""
 
     name: str = MISSING
     synthetic: bool = MISSING
-    path: str | None = None  # the training file (required unless synthetic)
-    eval_path: str | None = None  # an optional held-out file in the same format
+    path: str | None = None  # the training file, `datasets` folder or hub id (unless synthetic or sources)
+    eval_path: str | None = None  # an optional held-out set, read the same way
     image_root: str | None = None  # image paths are relative to it (default: the data file's folder)
+    format: DataFormat = DataFormat.auto  # auto: detected per file from its first record
+    split: str = "train"  # the split of a `datasets` folder or hub id
+    eval_split: str | None = None  # the same for data.eval_path (default: train)
+    # Several sources drawn by weight, e.g. [{path: a.json, weight: 3}, {path: b.parquet, weight: 1}].
+    sources: list[SourceConfig] | None = None
     # error: stop at the first bad record; skip: skip bad records and count them.
     on_bad_record: OnBadRecord = OnBadRecord.error
+    max_image_pixels: int = 64_000_000  # a larger image is a bad record (a decompression bomb)
+    # Decode, resize and tokenize every record once into cache_dir/data_cache (memory-mapped tensors).
+    cache: bool = True
+    # Batches of records of similar length (less padding); needs data.cache (the lengths come from it).
+    group_by_length: bool = False
+    # Every batch runs the vision tower (a dummy image where a batch has none), so that ranks whose
+    # batches differ in modality cannot hang ZeRO-3's collectives. null: on at ZeRO-3 with several ranks.
+    modality_guard: bool | None = None
     num_workers: int = MISSING  # DataLoader worker processes (0: decode images in the training process)
     # Exact-match accuracy of greedy generation on the eval split (meaningful for short answers).
     eval_accuracy: bool = MISSING
@@ -239,6 +265,9 @@ class DistConfig:
     exclude: str = ""  # deepspeed: --exclude
     backend: DistBackend = DistBackend.auto  # auto: nccl on GPU, gloo on CPU
     timeout_s: int = 1800  # a collective that waits longer fails the job (DeepSpeed's default: 30 min)
+    # A training step that takes longer dumps every thread's Python stack to errors/ and ends the job with
+    # one line (a hang: ranks waiting on each other). 0 or null: no watchdog.
+    step_timeout_s: float | None = 900
 
 
 @dataclass

@@ -7,6 +7,7 @@ These need the machine, the file system or heavy imports, so they stay out of th
 from __future__ import annotations
 
 import copy
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -200,24 +201,40 @@ def check_model_choices(cfg: DictConfig, device_kind: str, precision: str, *, la
 
 def check_data(data: DictConfig) -> None:
     """The data files exist and the loader's settings are valid (records are read by the ranks)."""
+    from launcher.formats import looks_like_hub_id
+
+    if data.group_by_length and not data.cache:
+        raise LauncherError(
+            "data.group_by_length=true needs data.cache=true: the lengths it sorts by come from the cache"
+        )
     if data.synthetic:
         return
-    if OmegaConf.is_missing(data, "path") or not data.path:
-        raise LauncherError(f"data.path is not set for data={data.name}: give the training JSON file")
-    for key in ("path", "eval_path"):
-        value = data[key]
-        if not value:
-            continue
-        path = Path(str(value)).expanduser()
-        if path.is_dir():
+    if data.name == "mixture" and not data.sources:  # conf/data/mixture.yaml: the sources are the point
+        raise LauncherError(
+            f"data.sources is not set for data={data.name}: give the sources, e.g. "
+            "'data.sources=[{path: a.json, weight: 3}, {path: b.parquet, weight: 1}]'"
+        )
+    sources = list(data.sources or [])
+    path = None if OmegaConf.is_missing(data, "path") else data.path
+    if sources and path:
+        raise LauncherError("data.path and data.sources are both set: give one data set (data.path) or a mixture")
+    if not sources and not path:
+        raise LauncherError(
+            f"data.path is not set for data={data.name}: give the training file, `datasets` folder or hub id"
+        )
+    paths = [(f"data.sources[{i}].path", source.path) for i, source in enumerate(sources)] or [("data.path", path)]
+    for key, value in [*paths, ("data.eval_path", data.eval_path)]:
+        if value and not Path(str(value)).expanduser().exists() and not looks_like_hub_id(str(value)):
+            raise LauncherError(f"{key}={value}: no such file or folder (nor a hub id like org/name)")
+    for index, source in enumerate(sources):
+        if not math.isfinite(source.weight) or source.weight <= 0:
             raise LauncherError(
-                f"data.{key}={value} is a directory: give the JSON file (a list of records, or JSON lines)"
+                f"data.sources[{index}].weight={source.weight}: a mixture weight must be a positive number"
             )
-        if not path.is_file():
-            raise LauncherError(f"data.{key}={value}: no such file")
-    image_root = Path(str(data.image_root)).expanduser() if data.image_root else None
-    if image_root is not None and not image_root.is_dir():
-        raise LauncherError(f"data.image_root={data.image_root}: no such directory")
+    roots = [data.image_root, *(source.image_root for source in sources)]
+    for root in filter(None, roots):
+        if not Path(str(root)).expanduser().is_dir():
+            raise LauncherError(f"data.image_root={root}: no such directory")
 
 
 def check_cache_dir(cfg: DictConfig) -> None:
@@ -237,16 +254,12 @@ def check_tiny_model_records(cfg: DictConfig, *, micro_batch: int, world_size: i
     would, so that a bad record is reported once, as an error, before any rank starts."""
     if cfg.model.source != "tiny" or cfg.data.synthetic:
         return
-    from launcher.data import load_records
+    from launcher.data import read_data
 
-    train_file = Path(str(cfg.data.path)).expanduser()
-    image_root = Path(str(cfg.data.image_root)).expanduser() if cfg.data.image_root else train_file.parent
-    records, _ = load_records(train_file, image_root, on_bad_record=cfg.data.on_bad_record)
-    if cfg.data.eval_path:
-        load_records(Path(str(cfg.data.eval_path)).expanduser(), image_root, on_bad_record=cfg.data.on_bad_record)
+    records = read_data(cfg.data, Path(str(cfg.cache_dir)).expanduser().absolute()).train
     if len(records) < micro_batch * world_size:
         raise LauncherError(
-            f"data.path={cfg.data.path}: {len(records)} records, fewer than one global micro-batch "
+            f"data: {len(records)} usable training records, fewer than one global micro-batch "
             f"({micro_batch} x {world_size} ranks)"
         )
 

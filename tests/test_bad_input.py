@@ -52,8 +52,83 @@ class Case:
 
 CASES = [
     # ------------------------------------------------------------------ data
-    Case("data-path-is-a-directory", ("data=llava_json", "data.path={data}"), "data.path={data} is a directory"),
+    Case(
+        "data-path-is-a-plain-folder",
+        ("data=llava_json", "data.path={data}/images"),
+        "{data}/images is a folder, but not one `datasets` saved (no state.json or dataset_dict.json)",
+    ),
     Case("data-path-not-set", ("data=llava_json",), "data.path is not set for data=llava_json"),
+    Case("data-path-missing", ("data=llava_json", "data.path={data}/nowhere.json"), "data.path={data}/nowhere.json: no such"),
+    Case(
+        "image-zero-bytes",
+        ("data=llava_json", "data.path={data}/zero_byte.json"),
+        "{data}/zero_byte.json record 1: image file {data}/images/empty.png is empty (0 bytes)",
+    ),
+    Case(
+        "image-undecodable",
+        ("data=llava_json", "data.path={data}/not_image.json"),
+        "{data}/not_image.json record 1: image file {data}/images/text.png cannot be decoded as an image",
+    ),
+    Case(
+        "image-truncated",
+        ("data=llava_json", "data.path={data}/truncated.json"),
+        "{data}/truncated.json record 7: cannot decode image {data}/images/cut.png",
+        code=2,
+        planned=True,
+    ),
+    Case(
+        "image-truncated-all-skipped",
+        ("data=llava_json", "data.path={data}/all_truncated.json", "data.on_bad_record=skip"),
+        "data: none of the 8 records could be decoded (all skipped under data.on_bad_record=skip)",
+        planned=True,
+    ),
+    Case(
+        "image-decompression-bomb",
+        ("data=llava_json", "data.path={data}/bomb.json", "data.max_image_pixels=10000"),
+        "{data}/bomb.json record 1: image file {data}/images/big.png is 300x300 = 90000 pixels, over "
+        "data.max_image_pixels=10000",
+    ),
+    Case(
+        "image-path-leaves-the-root",
+        ("data=llava_json", "data.path={data}/escape.json"),
+        "{data}/escape.json record 1: image path '../outside.png' leaves the image root {data}",
+    ),
+    Case(
+        "image-markers-do-not-match",
+        ("data=llava_json", "data.path={data}/markers.json"),
+        "{data}/markers.json record 1: 2 '<image>' marker(s) but 1 image(s)",
+    ),
+    Case(
+        "data-format-does-not-match",
+        ("data=llava_json", "data.path={data}/train.json", "data.format=sharegpt"),
+        "{data}/train.json record 0: 'messages' must be a non-empty list (sharegpt format)",
+    ),
+    Case(
+        "data-format-unknown-record",
+        ("data=llava_json", "data.path={data}/unknown.json"),
+        "{data}/unknown.json record 0: not a record of a known format (found 'question', 'answer')",
+    ),
+    Case(
+        "data-path-and-sources",
+        ("data=llava_json", "data.path={data}/train.json", "data.sources=[{{path: {data}/train.json}}]"),
+        "data.path and data.sources are both set",
+    ),
+    Case("mixture-without-sources", ("data=mixture",), "data.sources is not set for data=mixture"),
+    Case(
+        "mixture-weight-negative",
+        ("data=mixture", "data.sources=[{{path: {data}/train.json, weight: -1}}]"),
+        "data.sources[0].weight=-1.0: a mixture weight must be a positive number",
+    ),
+    Case(
+        "mixture-source-missing",
+        ("data=mixture", "data.sources=[{{path: {data}/train.json}}, {{path: {data}/gone.json}}]"),
+        "data.sources[1].path={data}/gone.json: no such file or folder",
+    ),
+    Case(
+        "group-by-length-without-the-cache",
+        ("data.group_by_length=true", "data.cache=false"),
+        "data.group_by_length=true needs data.cache=true",
+    ),
     Case(
         "eval-path-missing",
         ("data=llava_json", "data.path={data}/train.json", "data.eval_path={data}/nowhere.json"),
@@ -82,7 +157,7 @@ CASES = [
     Case(
         "fewer-records-than-a-micro-batch",
         ("data=llava_json", "data.path={data}/two.json"),
-        "data.path={data}/two.json: 2 records, fewer than one global micro-batch (4 x 1 ranks)",
+        "data: 2 usable training records, fewer than one global micro-batch (4 x 1 ranks)",
     ),
     Case(
         "image-is-a-directory",
@@ -94,7 +169,7 @@ CASES = [
     Case(
         "image-path-is-a-symlink-loop",
         ("data=llava_json", "data.path={data}/loop.json"),
-        "{data}/loop.json record 1: image path {data}/images/loop cannot be read (Symlink loop",
+        "{data}/loop.json record 1: image path {data}/images/loop cannot be read (Too many levels of symbolic links)",
     ),
     Case(
         "image-path-too-long",
@@ -293,10 +368,24 @@ def data_dir(tmp_path_factory) -> Path:
         "a_file": "a regular file where a directory is expected",
     }
     files["loop.json"] = json.dumps([GOOD, {**GOOD, "image": "images/loop"}])
+    for name, image in (("zero_byte", "empty"), ("not_image", "text"), ("bomb", "big"), ("escape", "../outside")):
+        image = image if image.startswith("..") else f"images/{image}"
+        files[f"{name}.json"] = json.dumps([GOOD, {**GOOD, "image": f"{image}.png"}] * 4)
+    files["truncated.json"] = json.dumps([GOOD] * 7 + [{**GOOD, "image": "images/cut.png"}])
+    files["all_truncated.json"] = json.dumps([{**GOOD, "image": "images/cut.png"}] * 8)
+    two_markers = [{"from": "human", "value": "<image><image>what?"}, {"from": "gpt", "value": "red"}]
+    files["markers.json"] = json.dumps([GOOD, {**GOOD, "conversations": two_markers}] * 4)
+    files["unknown.json"] = json.dumps([{"question": "what?", "answer": "red"}] * 8)
     files["long_name.json"] = json.dumps([GOOD, {**GOOD, "image": "images/" + "x" * 5000}])
     for name, text in files.items():
         (root / name).write_text(text)
     (root / "images" / "loop").symlink_to(root / "images" / "loop")  # a symlink to itself
+    (root / "images" / "empty.png").write_bytes(b"")
+    (root / "images" / "text.png").write_text("not an image")
+    Image.new("RGB", (300, 300)).save(root / "images" / "big.png")
+    Image.new("RGB", (64, 64), (20, 200, 20)).save(root / "images" / "cut.png")
+    whole = (root / "images" / "cut.png").read_bytes()
+    (root / "images" / "cut.png").write_bytes(whole[: len(whole) // 2])  # the header survives, the pixels do not
     (root / "binary.json").write_bytes(b"\xff\xd8\xff\xe0 a JPEG saved as .json")
     return root
 

@@ -1,4 +1,4 @@
-"""Shapes generation, record loading and its errors, collation labels, exact-match evaluation."""
+"""Shapes generation, collation labels, exact-match evaluation (record formats: test_formats.py)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ from launcher.data import (
     load_records,
     normalize_answer,
     prepare_data,
-    to_chat_messages,
 )
 from launcher.errors import LauncherError
 from launcher.models import TINY_ARCHITECTURES, build_tiny_model_dir, load_model_and_processor
@@ -76,6 +75,11 @@ MULTI_TURN = {
 }
 
 
+def answer(record: dict) -> str:
+    """The text of a record's first assistant turn."""
+    return record["messages"][1]["content"][0]["text"]
+
+
 # ---------------------------------------------------------------------------------------------------
 # Shapes
 
@@ -91,12 +95,12 @@ def test_shapes_are_deterministic_balanced_and_disjoint(tmp_path, shapes):
 
     train, _ = load_records(train_json, root)
     held_out, _ = load_records(eval_json, root)
-    answers = [r["conversations"][1]["value"] for r in train]
+    answers = [answer(r) for r in train]
     assert sorted(set(answers)) == sorted(f"{c} {s}" for c in COLOURS for s in SHAPES)
     assert all(answers.count(a) == 4 for a in set(answers))  # 72 images, 18 answers
 
     def digests(records):
-        return {hashlib.sha1(np.asarray(Image.open(r["image"])).tobytes()).hexdigest() for r in records}
+        return {hashlib.sha1(np.asarray(Image.open(r["images"][0])).tobytes()).hexdigest() for r in records}
 
     assert len(digests(train)) == 72 and len(digests(held_out)) == 36
     assert not digests(train) & digests(held_out)
@@ -126,7 +130,7 @@ def test_the_colour_task_asks_about_the_same_images(tmp_path, shapes):
             assert asked_colour["image"] == asked_shape["image"]
             assert asked_colour["conversations"][0]["value"] == f"<image>\n{COLOUR_QUESTION}"
             assert asked_colour["conversations"][1]["value"] == asked_shape["conversations"][1]["value"].split()[0]
-    answers = [r["conversations"][1]["value"] for r in load_records(colour[0], colour[2])[0]]
+    answers = [answer(r) for r in load_records(colour[0], colour[2])[0]]
     assert sorted(set(answers)) == sorted(COLOURS)
     assert all(answers.count(a) == 12 for a in COLOURS)  # 72 images, 6 answers
     with pytest.raises(LauncherError, match=r"data\.task=size is not a task of the built-in set"):
@@ -146,124 +150,6 @@ def test_both_tasks_coexist_in_the_cache(tmp_path):
     assert json.loads((colour_files[0].parent / "shapes.json").read_text())["task"] == "colour"
     assert prepare_data(shapes, cache) == shape_files and marker.stat().st_mtime_ns == stamp  # reused, not redrawn
     assert json.loads(colour_files[0].read_text())[0]["conversations"][1]["value"] in COLOURS
-
-
-# ---------------------------------------------------------------------------------------------------
-# Loading
-
-
-def test_loads_json_list_json_lines_and_multi_turn(tmp_path):
-    write_image(tmp_path / "img" / "a.png")
-    records = [record(id="one"), MULTI_TURN]
-    as_list = tmp_path / "list.json"
-    as_list.write_text(json.dumps(records, indent=2))
-    as_lines = tmp_path / "lines.jsonl"
-    as_lines.write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
-
-    for path in (as_list, as_lines):
-        loaded, skipped = load_records(path, tmp_path / "img")
-        assert skipped == 0 and [r["id"] for r in loaded] == ["one", "multi"]
-        assert loaded[1]["conversations"] == MULTI_TURN["conversations"]
-        assert Path(loaded[0]["image"]).is_absolute() and Path(loaded[0]["image"]).is_file()
-
-
-def test_to_chat_messages_places_the_image():
-    messages = to_chat_messages(MULTI_TURN["conversations"])
-    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
-    assert messages[0]["content"] == [{"type": "image"}, {"type": "text", "text": "what colour?"}]
-    assert messages[1]["content"] == [{"type": "text", "text": "blue"}]
-    # No placeholder: the image goes first in the first human turn, as in LLaVA.
-    no_placeholder = to_chat_messages([{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}])
-    assert no_placeholder[0]["content"] == [{"type": "image"}, {"type": "text", "text": "hi"}]
-
-
-def bad_record_cases():
-    ok = record()
-    return {
-        "missing image": ({k: v for k, v in ok.items() if k != "image"}, "missing 'image'"),
-        "missing conversations": ({"image": "a.png"}, "missing 'conversations'"),
-        "image file missing": (record(image="nope.png"), "nope.png does not exist"),
-        "no assistant turn": (
-            {"image": "a.png", "conversations": [{"from": "human", "value": "<image>\nhi"}]},
-            "no assistant",
-        ),
-        "image in an answer": (
-            {
-                "image": "a.png",
-                "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "<image>"}],
-            },
-            "must be in a human turn",
-        ),
-        "two images": (
-            {
-                "image": "a.png",
-                "conversations": [{"from": "human", "value": "<image><image>"}, {"from": "gpt", "value": "x"}],
-            },
-            "one image per record",
-        ),
-        "unknown speaker": (
-            {"image": "a.png", "conversations": [{"from": "bot", "value": "x"}]},
-            "unknown speaker",
-        ),
-    }
-
-
-@pytest.mark.parametrize("case", list(bad_record_cases()))
-@pytest.mark.parametrize("layout", ["list", "lines"])
-def test_bad_records_name_file_and_record(tmp_path, case, layout):
-    write_image(tmp_path / "img" / "a.png")
-    bad, reason = bad_record_cases()[case]
-    records = [record(), bad, record()]
-    path = tmp_path / ("data.json" if layout == "list" else "data.jsonl")
-    if layout == "list":
-        path.write_text(json.dumps(records))
-        where = f"{path} record 1"
-    else:
-        path.write_text("\n".join(json.dumps(r) for r in records))
-        where = f"{path}:2 (record 1)"
-    with pytest.raises(LauncherError) as info:
-        load_records(path, tmp_path / "img")
-    message = str(info.value)
-    assert message.startswith(where) and reason in message and "\n" not in message
-
-    kept, skipped = load_records(path, tmp_path / "img", on_bad_record="skip")
-    assert (len(kept), skipped) == (2, 1)
-
-
-def test_malformed_json_names_the_line(tmp_path):
-    write_image(tmp_path / "a.png")
-    as_list = tmp_path / "list.json"
-    as_list.write_text('[\n  {"image": "a.png",\n   "conversations": [}\n]')
-    with pytest.raises(LauncherError, match=rf"^{as_list}:3: malformed JSON"):
-        load_records(as_list, tmp_path)
-
-    as_lines = tmp_path / "lines.jsonl"
-    as_lines.write_text(json.dumps(record()) + "\n{not json\n" + json.dumps(record()) + "\n")
-    with pytest.raises(LauncherError, match=rf"^{as_lines}:2: malformed JSON in record 1"):
-        load_records(as_lines, tmp_path)
-    assert load_records(as_lines, tmp_path, on_bad_record="skip")[1] == 1
-
-
-def test_empty_data_sets_are_errors(tmp_path):
-    empty = tmp_path / "empty.json"
-    empty.write_text("[]")
-    with pytest.raises(LauncherError, match="empty data set"):
-        load_records(empty, tmp_path)
-    all_bad = tmp_path / "bad.jsonl"
-    all_bad.write_text(json.dumps(record(image="gone.png")) + "\n")
-    with pytest.raises(LauncherError, match=r"empty data set \(all 1 records are bad"):
-        load_records(all_bad, tmp_path, on_bad_record="skip")
-    with pytest.raises(LauncherError, match="cannot read the data file"):
-        load_records(tmp_path / "absent.json", tmp_path)
-
-
-def test_undecodable_image_fails_at_load_time_naming_file_and_record(tmp_path):
-    (tmp_path / "broken.png").write_bytes(b"not a png at all")
-    path = tmp_path / "data.json"
-    path.write_text(json.dumps([record(image="broken.png")]))
-    records, _ = load_records(path, tmp_path)  # existence is checked up front, decoding later
-    with pytest.raises(LauncherError, match=rf"^{path} record 0: cannot decode image .*broken.png"):
-        ConversationDataset(records)[0]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ def _batch(processor, size: int = 4) -> dict[str, torch.Tensor]:
             {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]},
             {"role": "assistant", "content": [{"type": "text", "text": f"{colour} {shape}"}]},
         ]
-        samples.append({"image": Image.fromarray(pixels), "messages": messages})
+        samples.append({"images": [Image.fromarray(pixels)], "messages": messages})
     return Collator(processor)(samples)
 
 

@@ -283,7 +283,7 @@ def test_eager_and_sdpa_both_train_the_tiny_models(model_dirs, arch):
         assert model.config.vision_config._attn_implementation == attn
         samples = [
             {
-                "image": image,
+                "images": [image],
                 "messages": [
                     {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is in the image?"}]},
                     {"role": "assistant", "content": [{"type": "text", "text": answer}]},

@@ -1,0 +1,313 @@
+"""The fast data path: every record decoded, resized and tokenized once, into memory-mapped tensor shards.
+
+Without it each step decodes its images and runs the processor again (PIL, resizing, normalising, the
+chat template, the tokenizer): on a small model that is most of a step. With it a step reads ready
+tensors and pads them.
+
+Layout of one cache (a directory under cache_dir/data_cache/, named by its key):
+    meta.json          the key's inputs, record count, skipped records, each record's id, source and length
+    <name>.bin         one flat file per tensor (input_ids, labels, pixel_values, ...), records back to back
+    index.npz          per tensor: the offsets of each record's rows, its dtype and its trailing shape
+
+Why flat files and np.memmap, not the `datasets` Arrow cache: a record is a handful of arrays of
+different lengths (pixel_values is most of the bytes); reading one from a memory map is a slice and a
+copy, with no conversion of nested lists, and the page cache shares the bytes between DataLoader workers
+and ranks on one machine. pixel_values are kept in the processor's dtype (float32), so a cached batch is
+bitwise the batch the processor makes: 4 bytes per value, e.g. 1.3 MiB per 336 x 336 image.
+
+The key covers what the tensors depend on: the records (text, and each image's path, size and
+modification time, or its bytes), the processor (tokenizer, chat template, image settings such as
+min/max pixels) and the model. A change to any of them builds a new cache; a complete cache is reused.
+A build is written to a temporary directory and renamed into place: a crash leaves nothing that looks
+complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from launcher.errors import LauncherError
+from launcher.formats import BadRecord
+
+CACHE_VERSION = 1
+META_FILE = "meta.json"
+INDEX_FILE = "index.npz"
+# Tensors of a record that depend on nothing but the record; attention_mask is all ones until padded.
+PADDED_KEYS = {"input_ids": None, "labels": -100, "mm_token_type_ids": 0}  # None: the pad token
+
+
+def cache_key(records: list[dict], processor: Any, model: str) -> str:
+    """A digest of everything a cached tensor depends on."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps({"version": CACHE_VERSION, "model": model}).encode())
+    digest.update(processor_fingerprint(processor).encode())
+    for record in records:
+        images = [_image_identity(image) for image in record["images"]]
+        digest.update(json.dumps([record["id"], record["messages"], images]).encode())
+    return digest.hexdigest()[:20]
+
+
+def processor_fingerprint(processor: Any) -> str:
+    """The processor settings tensors depend on: image processing, chat template, tokenizer."""
+    tokenizer = processor.tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    parts = {
+        "class": type(processor).__name__,
+        "image_processor": processor.image_processor.to_dict(),
+        "chat_template": processor.chat_template,
+        "tokenizer": backend.to_str() if backend is not None else repr(tokenizer.get_vocab()),
+        "special": tokenizer.special_tokens_map,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _image_identity(image: str | bytes) -> Any:
+    if isinstance(image, bytes):
+        return hashlib.sha256(image).hexdigest()
+    stat = os.stat(image)
+    return [image, stat.st_size, stat.st_mtime_ns]
+
+
+# ----------------------------------------------------------------------------- building
+class RecordEncoder:
+    """A decoded sample -> its tensors: `Collator`'s batch of that one sample, without the batch axis."""
+
+    def __init__(self, processor: Any):
+        from launcher.data import Collator
+
+        self.collate = Collator(processor)
+
+    def __call__(self, sample: dict) -> dict[str, torch.Tensor]:
+        batch = self.collate([sample])
+        return {k: v[0] if k in PADDED_KEYS else v for k, v in batch.items() if k != "attention_mask"}
+
+
+@dataclass
+class CacheInfo:
+    """What `ensure_cache` found or built."""
+
+    path: Path
+    built: bool  # False: a complete cache was reused
+    build_seconds: float | None
+    records: int
+    skipped: int  # records whose images failed to decode while building (data.on_bad_record=skip)
+
+
+def ensure_cache(
+    root: Path,
+    records: list[dict],
+    processor: Any,
+    model: str,
+    encode: Callable[[dict], dict[str, torch.Tensor]],
+    load: Callable[[int], dict],
+    *,
+    on_bad_record: str,
+    num_workers: int,
+) -> CacheInfo:
+    """The cache for these records, built when missing. `load(i)` decodes record i (images and all,
+    raising BadRecord when it cannot); `encode(sample)` turns it into the record's tensors."""
+    key = cache_key(records, processor, model)
+    path = root / key
+    meta = _read_meta(path)
+    if meta is not None:
+        return CacheInfo(path, False, meta["build_seconds"], meta["records"], meta["skipped"])
+    started = time.perf_counter()
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
+    tmp.chmod(0o755)
+    try:
+        kept, skipped = _write_tensors(tmp, records, encode, load, on_bad_record=on_bad_record, workers=num_workers)
+        if not kept:
+            raise LauncherError(
+                f"data: none of the {skipped} records could be decoded (all skipped under data.on_bad_record=skip): "
+                f"fix the images, e.g. those of {records[0]['where']}"
+            )
+        meta = {
+            "version": CACHE_VERSION,
+            "key": key,
+            "model": model,
+            "records": len(kept),
+            "skipped": skipped,
+            "ids": [records[i]["id"] for i in kept],
+            "sources": [records[i].get("source", 0) for i in kept],
+            "build_seconds": round(time.perf_counter() - started, 3),
+        }
+        (tmp / META_FILE).write_text(json.dumps(meta) + "\n")  # last: its presence marks a complete cache
+        try:
+            os.rename(tmp, path)
+        except OSError:  # another process finished the same cache first
+            if _read_meta(path) is None:
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return CacheInfo(path, True, meta["build_seconds"], meta["records"], meta["skipped"])
+
+
+class _Decoded(Dataset):
+    """Record i -> (i, its tensors) or (i, the BadRecord); decoding and encoding run in the workers."""
+
+    def __init__(self, count: int, load: Callable[[int], dict], encode: Callable[[dict], dict[str, torch.Tensor]]):
+        self.count, self.load, self.encode = count, load, encode
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> tuple[int, Any]:
+        try:
+            return index, {k: v.numpy() for k, v in self.encode(self.load(index)).items()}
+        except BadRecord as error:
+            return index, error
+
+
+def _as_is(item: Any) -> Any:
+    return item  # the default would turn the numpy arrays back into tensors
+
+
+def _write_tensors(
+    out: Path,
+    records: list[dict],
+    encode: Callable[[dict], dict[str, torch.Tensor]],
+    load: Callable[[int], dict],
+    *,
+    on_bad_record: str,
+    workers: int,
+) -> tuple[list[int], int]:
+    decoded = _Decoded(len(records), load, encode)
+    loader = DataLoader(
+        decoded, batch_size=None, num_workers=workers, prefetch_factor=8 if workers else None, collate_fn=_as_is
+    )
+    files: dict[str, Any] = {}
+    offsets: dict[str, list[int]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
+    kept, skipped = [], 0
+    try:
+        for index, tensors in loader:
+            if isinstance(tensors, BadRecord):
+                if on_bad_record != "skip":
+                    raise tensors
+                skipped += 1
+                continue
+            for name, array in tensors.items():
+                if name not in files:  # a tensor first seen here (pixel_values after text-only records)
+                    files[name] = open(out / f"{name}.bin", "wb")  # noqa: SIM115 (closed in finally)
+                    offsets[name], shapes[name], dtypes[name] = [0] * (len(kept) + 1), array.shape[1:], array.dtype.str
+                if array.shape[1:] != shapes[name] or array.dtype.str != dtypes[name]:
+                    raise LauncherError(
+                        f"{records[index]['where']}: {name} has shape {array.shape} ({array.dtype}), unlike the "
+                        f"records before it ({shapes[name]}, {dtypes[name]}): set data.cache=false for this processor"
+                    )
+                files[name].write(np.ascontiguousarray(array).tobytes())
+            for name in files:  # a record without a tensor (no images) holds zero rows of it
+                offsets[name].append(offsets[name][-1] + (tensors[name].shape[0] if name in tensors else 0))
+            kept.append(index)
+    finally:
+        for handle in files.values():
+            handle.close()
+    np.savez(
+        out / INDEX_FILE,
+        **{f"{name}.offsets": np.asarray(offsets[name], dtype=np.int64) for name in files},
+        **{f"{name}.shape": np.asarray(shapes[name], dtype=np.int64) for name in files},
+        **{f"{name}.dtype": np.asarray(dtypes[name]) for name in files},
+    )
+    return kept, skipped
+
+
+def _read_meta(path: Path) -> dict | None:
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if meta.get("version") == CACHE_VERSION else None
+
+
+# ----------------------------------------------------------------------------- reading
+class CachedDataset(Dataset):
+    """A built cache -> {"tensors": {name: tensor}, "id", "source"} per record; reads are slices of memory maps."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        meta = _read_meta(self.path)
+        if meta is None:
+            raise LauncherError(f"{self.path}: not a complete data cache; delete it to have it built again")
+        self.ids, self.sources = meta["ids"], meta["sources"]
+        index = np.load(self.path / INDEX_FILE)
+        self.names = sorted({key.rsplit(".", 1)[0] for key in index.files})
+        self.offsets = {name: index[f"{name}.offsets"] for name in self.names}
+        self._layout = {name: (str(index[f"{name}.dtype"]), tuple(index[f"{name}.shape"])) for name in self.names}
+        self._maps: dict[str, np.memmap] | None = None  # opened lazily, in each worker
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def lengths(self) -> list[int]:
+        """Tokens per record (image tokens included): what length-grouped batches sort by."""
+        return np.diff(self.offsets["input_ids"]).tolist()
+
+    def _open(self) -> dict[str, np.memmap]:
+        if self._maps is None:
+            self._maps = {
+                name: np.memmap(self.path / f"{name}.bin", dtype=dtype, mode="r").reshape(-1, *shape)
+                for name, (dtype, shape) in self._layout.items()
+            }
+        return self._maps
+
+    def __getitem__(self, index: int) -> dict:
+        maps = self._open()
+        tensors = {
+            name: torch.from_numpy(np.array(maps[name][self.offsets[name][index] : self.offsets[name][index + 1]]))
+            for name in self.names
+        }
+        return {"tensors": tensors, "id": self.ids[index], "source": self.sources[index]}
+
+    def __getstate__(self) -> dict:  # workers open their own maps
+        return {**self.__dict__, "_maps": None}
+
+
+class CachedCollator:
+    """Cached records -> the batch `Collator` makes from the same records (right-padded, labels)."""
+
+    def __init__(self, processor: Any, *, image_every_batch: bool = False, with_sources: bool = False):
+        self.processor = processor
+        self.pad_token_id = processor.tokenizer.pad_token_id
+        self.image_every_batch = image_every_batch
+        self.with_sources = with_sources
+
+    def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        from launcher.data import add_dummy_image
+
+        rows = [sample["tensors"] for sample in samples]
+        width = max(len(row["input_ids"]) for row in rows)
+        batch: dict[str, torch.Tensor] = {}
+        for name, fill in PADDED_KEYS.items():
+            if name not in rows[0]:
+                continue
+            value = self.pad_token_id if fill is None else fill
+            padded = torch.full((len(rows), width), value, dtype=rows[0][name].dtype)
+            for number, row in enumerate(rows):
+                padded[number, : len(row[name])] = row[name]
+            batch[name] = padded
+        batch["attention_mask"] = torch.zeros((len(rows), width), dtype=torch.int64)
+        for number, row in enumerate(rows):
+            batch["attention_mask"][number, : len(row["input_ids"])] = 1
+        for name in rows[0]:
+            if name not in PADDED_KEYS and any(len(row[name]) for row in rows):
+                batch[name] = torch.cat([row[name] for row in rows])  # pixel_values, image_grid_thw
+        if self.image_every_batch and "pixel_values" not in batch:
+            batch = add_dummy_image(self.processor, batch, padding_side="right")
+        if self.with_sources:
+            batch["sources"] = torch.tensor([sample["source"] for sample in samples])
+        return batch

@@ -1,0 +1,175 @@
+"""The data cache gives the batches the processor gives; the ZeRO-3 guard's dummy image changes nothing.
+
+Records here mix one, two and three images with text-only ones, on both tiny model families.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from launcher.data import Collator, ConversationDataset, add_dummy_image
+from launcher.data_cache import CachedCollator, CachedDataset, RecordEncoder, ensure_cache
+from launcher.errors import LauncherError
+from launcher.formats import BadRecord, ReadOptions, read_records
+from launcher.models import TINY_ARCHITECTURES, build_tiny_model_dir, load_model_and_processor
+from tests.test_data import VOCABULARY
+from tests.test_models import SIZES
+
+QUESTIONS = ["what is in the image?", "compare them", "which is red?", "say hi", "and the shape?"]
+
+
+@pytest.fixture(scope="module")
+def mixed_records(tmp_path_factory) -> list[dict]:
+    """Records with 0, 1, 2 and 3 images; images of different sizes and colours."""
+    root = tmp_path_factory.mktemp("mixed")
+    colours = ["red", "green", "blue", "yellow"]
+    for number, colour in enumerate(colours):
+        Image.new("RGB", (24 + 8 * number, 32), colour).save(root / f"{colour}.png")
+    rows = []
+    for index in range(12):
+        count = index % 4  # 0, 1, 2, 3 images
+        images = [f"{colours[(index + k) % 4]}.png" for k in range(count)]
+        question = " ".join(["<image>"] * count + [QUESTIONS[index % len(QUESTIONS)]])
+        turns = [
+            {"from": "human", "value": question},
+            {"from": "gpt", "value": " ".join(c[:-4] for c in images) or "hi"},
+        ]
+        if index % 5 == 0:
+            turns += [{"from": "human", "value": "and the shape?"}, {"from": "gpt", "value": "square"}]
+        rows.append({"id": str(index), "images": images, "conversations": turns})
+    (root / "data.json").write_text(json.dumps(rows))
+    return read_records(root / "data.json", ReadOptions())[0]
+
+
+@pytest.fixture(scope="module", params=TINY_ARCHITECTURES)
+def model_and_processor(request, tmp_path_factory):
+    vocabulary = VOCABULARY + QUESTIONS
+    out = build_tiny_model_dir(
+        request.param, tmp_path_factory.mktemp("model") / request.param, vocabulary, seed=0, **SIZES
+    )
+    return load_model_and_processor(str(out))
+
+
+def build(tmp_path: Path, records: list[dict], processor, *, model: str = "tiny", on_bad_record: str = "error"):
+    return ensure_cache(
+        tmp_path / "data_cache",
+        records,
+        processor,
+        model,
+        RecordEncoder(processor),
+        ConversationDataset(records).__getitem__,
+        on_bad_record=on_bad_record,
+        num_workers=0,
+    )
+
+
+def assert_same_batch(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
+def test_cached_batches_equal_the_processors_bitwise(tmp_path, mixed_records, model_and_processor):
+    _, processor = model_and_processor
+    info = build(tmp_path, mixed_records, processor)
+    assert info.built and (info.records, info.skipped) == (12, 0)
+    cached = CachedDataset(info.path)
+    live = ConversationDataset(mixed_records)
+    for guard in (False, True):
+        collate, cached_collate = (
+            Collator(processor, image_every_batch=guard),
+            CachedCollator(processor, image_every_batch=guard),
+        )
+        for rows in ([0, 1, 2, 3], [2, 3], [5, 10], [0, 4, 8], [0], [3, 7, 11, 1]):
+            expected = collate([live[i] for i in rows])
+            assert_same_batch(cached_collate([cached[i] for i in rows]), expected)
+    assert cached.lengths() == [len(Collator(processor)([live[i]])["input_ids"][0]) for i in range(12)]
+
+
+def test_the_cache_is_reused_and_rebuilt_when_its_inputs_change(tmp_path, mixed_records, model_and_processor):
+    _, processor = model_and_processor
+    first = build(tmp_path, mixed_records, processor)
+    again = build(tmp_path, mixed_records, processor)
+    assert not again.built and again.path == first.path
+    assert build(tmp_path, mixed_records, processor, model="another").path != first.path
+    edited = [dict(r) for r in mixed_records]
+    edited[0] = {**edited[0], "messages": [*edited[0]["messages"][:-1], {"role": "assistant", "content": []}]}
+    assert build(tmp_path, edited, processor).path != first.path
+    image = next(r["images"][0] for r in mixed_records if r["images"])
+    stat = os.stat(image)
+    os.utime(image, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the image file changed
+    try:
+        assert build(tmp_path, mixed_records, processor).path != first.path
+    finally:
+        os.utime(image, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    mean = processor.image_processor.image_mean
+    processor.image_processor.image_mean = [0.1, 0.2, 0.3]  # another processor setting
+    try:
+        assert build(tmp_path, mixed_records, processor).path != first.path
+    finally:
+        processor.image_processor.image_mean = mean
+    assert not [p for p in (tmp_path / "data_cache").iterdir() if p.name.startswith(".")]  # no leftovers
+
+
+def test_undecodable_images_are_skipped_while_building_or_stop_it(tmp_path, mixed_records, model_and_processor):
+    _, processor = model_and_processor
+    whole = Path(next(r["images"][0] for r in mixed_records if r["images"]))
+    cut = tmp_path / "cut.png"
+    Image.new("RGB", (64, 64), "red").save(cut)
+    cut.write_bytes(cut.read_bytes()[:60])  # the header survives, the pixels do not
+    records = [dict(r) for r in mixed_records]
+    records[5] = {**records[5], "images": [str(cut)]}
+    assert records[5]["messages"][0]["content"][0] == {"type": "image"} and whole.is_file()
+
+    info = build(tmp_path, records, processor, on_bad_record="skip")
+    assert (info.records, info.skipped) == (11, 1)
+    assert CachedDataset(info.path).ids == [r["id"] for r in records if r["id"] != "5"]
+    with pytest.raises(BadRecord, match=r"record 5: cannot decode image .*cut.png"):
+        build(tmp_path / "strict", records, processor)
+    assert not list((tmp_path / "strict" / "data_cache").iterdir())  # nothing half-built is left
+    with pytest.raises(LauncherError, match="none of the 1 records could be decoded"):
+        build(tmp_path / "none", records[5:6], processor, on_bad_record="skip")
+
+
+def test_the_dummy_image_changes_no_loss_and_no_gradient(mixed_records, model_and_processor):
+    """A text-only batch with and without the guard's dummy image: the same loss, the same gradients,
+    and a zero gradient for the vision tower, which did run."""
+    model, processor = model_and_processor
+    model.eval()  # no dropout
+    text_only = [s for s in ConversationDataset(mixed_records) if not s["images"]]
+    plain = Collator(processor)(text_only)
+    guarded = Collator(processor, image_every_batch=True)(text_only)
+    assert "pixel_values" not in plain and "pixel_values" in guarded
+    results = []
+    for batch in (plain, guarded):
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        results.append((float(loss.detach()), {n: p.grad for n, p in model.named_parameters()}))
+    (plain_loss, plain_grads), (guarded_loss, guarded_grads) = results
+    assert guarded_loss == plain_loss
+    ran = []
+    for name, grad in plain_grads.items():
+        if grad is None:  # the vision tower did not run: with the dummy it did, and its gradient is zero
+            assert guarded_grads[name] is None or not guarded_grads[name].any(), name
+            ran += [name] if guarded_grads[name] is not None else []
+        else:
+            torch.testing.assert_close(guarded_grads[name], grad, rtol=1e-5, atol=1e-7)
+    assert len(ran) > 5
+    model.zero_grad(set_to_none=True)
+
+
+def test_a_left_padded_dummy_keeps_prompts_as_they_were(model_and_processor):
+    _, processor = model_and_processor
+    prompt = processor(text=["hello there", "hi"], padding=True, padding_side="left", return_tensors="pt")
+    guarded = add_dummy_image(processor, dict(prompt), padding_side="left")
+    width = guarded["input_ids"].shape[1] - prompt["input_ids"].shape[1]
+    assert torch.equal(guarded["input_ids"][:, width:], prompt["input_ids"])
+    assert not guarded["attention_mask"][:, :width].any()
+    assert int((guarded["input_ids"][0] == processor.image_token_id).sum()) > 0

@@ -1,0 +1,196 @@
+"""The step watchdog (launcher.watchdog): a hung step ends its rank with its stacks and one line for the user.
+
+The watchdog ends its process with `os._exit`, so every test in which it may fire runs in a subprocess:
+a small script written to tmp_path, run as a rank would be, then judged by its exit code and its files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher.errors import LauncherError, TrainingFailed
+from launcher.processes import _outcome, free_port
+from launcher.watchdog import StepWatchdog
+from tests.conftest import ROOT
+
+HEADER = """
+import socket, sys, time
+from pathlib import Path
+from launcher.watchdog import StepWatchdog
+run_dir = Path(sys.argv[1])
+"""
+
+
+def _script(tmp_path: Path, body: str) -> Path:
+    script = tmp_path / "rank.py"
+    script.write_text(HEADER + textwrap.dedent(body))
+    return script
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def _run(script: Path, *args: str, timeout: float = 30) -> tuple[subprocess.CompletedProcess, float]:
+    """Run `script RUN_DIR ARGS...` to its end; the result and how long it took."""
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(script), *args], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    return done, time.monotonic() - started
+
+
+def _record(run_dir: Path, rank: int) -> dict:
+    return json.loads((run_dir / "errors" / f"rank{rank}.json").read_text())
+
+
+# ----------------------------------------------------------------------------- a hung step ends its rank
+BLOCKING = {
+    "sleep": "time.sleep(60)",
+    "busy Python loop": "while True: pass",  # holds the GIL but for the switch interval
+    "socket recv": "pair = socket.socketpair(); pair[0].recv(1)",  # blocked in C, as in a collective
+}
+
+
+@pytest.mark.parametrize("how", list(BLOCKING))
+def test_a_hung_step_ends_the_rank_with_its_stacks_and_one_line(tmp_path, how):
+    run_dir = tmp_path / "run"
+    script = _script(
+        tmp_path,
+        f"""
+        def stuck_in_step():
+            {BLOCKING[how]}
+
+        watchdog = StepWatchdog(run_dir, 0, 1)
+        with watchdog.step(3):
+            stuck_in_step()
+        """,
+    )
+    done, took = _run(script, str(run_dir))
+    assert done.returncode == TrainingFailed.exit_code, done.stderr
+    assert took < 8
+    assert done.stdout == done.stderr == ""  # a failing rank prints nothing: the launcher shows its record
+    stacks = (run_dir / "errors" / "rank0_stacks.txt").read_text()
+    assert "stuck_in_step" in stacks
+    record = _record(run_dir, 0)
+    assert record["exit_code"] == 1
+    assert record["error"].startswith("step 3 did not finish within dist.step_timeout_s=1 s (")
+    assert "\n" not in record["error"] and str(run_dir / "errors" / "rank0_stacks.txt") in record["error"]
+    assert "raise dist.step_timeout_s" in record["error"]
+    assert (run_dir / "errors" / "rank0.txt").read_text() == stacks  # the "traceback" the launcher points to
+
+    # The line the launcher (the ranks' parent) raises, and prints as "error: ..."
+    with pytest.raises(TrainingFailed) as failed:
+        _outcome(run_dir, done.returncode)
+    assert str(failed.value) == f"rank 0: {record['error']} (traceback: {run_dir / 'errors' / 'rank0.txt'})"
+
+
+def test_steps_that_finish_in_time_never_fire(tmp_path):
+    """Many quick steps, a step that raises, and idle time between steps longer than the timeout."""
+    run_dir = tmp_path / "run"
+    script = _script(
+        tmp_path,
+        """
+        watchdog = StepWatchdog(run_dir, 0, 0.5)
+        for step in range(200):
+            with watchdog.step(step):
+                time.sleep(0.001)
+        try:
+            with watchdog.step(200):
+                raise ValueError("a failing step disarms too")
+        except ValueError:
+            pass
+        with watchdog.step(201):
+            time.sleep(0.1)
+        time.sleep(1.0)  # no step armed: the rank evaluates, saves, or waits, as long as it likes
+        watchdog.close()
+        watchdog.close()
+        """,
+    )
+    done, _ = _run(script, str(run_dir))
+    assert done.returncode == 0, done.stderr
+    assert not (run_dir / "errors").exists()
+
+
+# ----------------------------------------------------------------------------- on and off, in this process
+@pytest.mark.parametrize("timeout_s", [0, None])
+def test_a_disabled_watchdog_starts_no_thread(tmp_path, timeout_s):
+    before = set(threading.enumerate())
+    watchdog = StepWatchdog(tmp_path, 0, timeout_s)
+    with watchdog.step(1):
+        time.sleep(0.01)
+    assert set(threading.enumerate()) == before
+    watchdog.close()
+    assert not (tmp_path / "errors").exists()
+
+
+def test_an_enabled_watchdog_has_one_thread_until_closed(tmp_path):
+    watchdog = StepWatchdog(tmp_path, 0, 60)
+    for step in range(3):
+        with watchdog.step(step):
+            pass
+    assert [t.name for t in threading.enumerate()].count("step-watchdog") == 1
+    watchdog.close()
+    watchdog.close()
+    assert "step-watchdog" not in [t.name for t in threading.enumerate()]
+
+
+def test_a_negative_timeout_is_refused_with_the_key_to_fix(tmp_path):
+    with pytest.raises(LauncherError, match=r"dist.step_timeout_s=-1 .* or 0/null"):
+        StepWatchdog(tmp_path, 0, -1)
+
+
+# ----------------------------------------------------------------------------- a real collective
+def test_a_rank_stuck_in_a_gloo_collective_is_ended(tmp_path):
+    """Rank 0 enters all_reduce, rank 1 never does: rank 0 ends within its timeout, not dist.timeout_s."""
+    run_dir = tmp_path / "run"
+    timeout_s = 2
+    script = _script(
+        tmp_path,
+        f"""
+        from datetime import timedelta
+        import torch
+        import torch.distributed as dist
+
+        rank = int(sys.argv[2])
+        dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+
+        def collective_step():
+            dist.all_reduce(torch.ones(4))
+
+        watchdog = StepWatchdog(run_dir, rank, {timeout_s})
+        if rank == 0:
+            (run_dir / "armed").write_text(repr(time.time()))
+            with watchdog.step(5):
+                collective_step()
+        else:
+            time.sleep(60)  # skipped the collective rank 0 waits in
+        """,
+    )
+    run_dir.mkdir()
+    env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    ranks = [
+        subprocess.Popen([sys.executable, str(script), str(run_dir), str(rank)], env=env, cwd=ROOT, text=True)
+        for rank in (0, 1)
+    ]
+    try:
+        assert ranks[0].wait(timeout=60) == TrainingFailed.exit_code
+    finally:
+        for process in ranks:
+            process.kill()
+            process.wait()
+    stacks = run_dir / "errors" / "rank0_stacks.txt"
+    armed = float((run_dir / "armed").read_text())
+    assert timeout_s - 0.1 <= stacks.stat().st_mtime - armed < timeout_s + 3
+    assert "all_reduce" in stacks.read_text() and "collective_step" in stacks.read_text()
+    assert _record(run_dir, 0)["error"].startswith("step 5 did not finish within dist.step_timeout_s=2 s")
+    assert not (run_dir / "errors" / "rank1.json").exists()
