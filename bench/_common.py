@@ -183,18 +183,16 @@ def reference_inputs(ref_run: Path) -> tuple[Any, dict[str, Any], list[dict], st
     """The composed config, DeepSpeed dict, train records and model directory of a train.py run."""
     from omegaconf import OmegaConf
 
-    from launcher import train_loop
-    from launcher.data import load_records
+    from launcher.data import read_data
+    from launcher.models import resolve_model_path
 
     cfg = OmegaConf.load(ref_run / ".hydra" / "config.yaml")
     ds_config = json.loads((ref_run / "ds_config.json").read_text())
     cache = Path(cfg.cache_dir).expanduser().absolute()
-    train_file, eval_file, image_root = train_loop.prepare_data(cfg, cache)
-    records, _ = load_records(train_file, image_root)
-    eval_records, _ = load_records(eval_file, image_root) if eval_file else ([], 0)
+    loaded = read_data(cfg.data, cache)
     # The same cached directory train.py loaded (its name hashes the model settings and vocabulary).
-    model_path = getattr(train_loop, "resolve_model_path", None) or train_loop._model_path  # its older name
-    return cfg, ds_config, records, model_path(cfg, cache, records + eval_records)
+    model_path = resolve_model_path(cfg.model, int(cfg.train.seed), cache, loaded.train + loaded.eval)
+    return cfg, ds_config, loaded.train, model_path
 
 
 # ----------------------------------------------------------------------------- two contenders

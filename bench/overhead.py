@@ -8,11 +8,11 @@ other processes on the machine hits both alike. The hand loop uses what a `train
 same `ds_config.json` (the exact dict given to `deepspeed.initialize`), the same cached model and
 processor (`load_model_and_processor`), the same records, `ConversationDataset`, `Collator` and
 DataLoader settings (DistributedSampler with the same seed, one worker, persistent, drop_last). It
-times each step the way `launcher/train_loop.py` does: wall time from before the batch is fetched to
+times each step the way `launcher/recipe.py` does: wall time from before the batch is fetched to
 after `engine.step()` and reading the loss.
 
 Figures per run, over steps skip+1..steps:
-  step time   per-step wall as train_loop measures it (`perf/step_time_s` for train.py): the mean, the
+  step time   per-step wall as the recipe measures it (`perf/step_time_s` for train.py): the mean, the
               median, and the fastest tenth (10th percentile: steps nothing else slowed down);
   period      wall from the end of step `skip` to the end of step `steps`-1, per step: it also
               holds whatever a loop does outside its timed window (metrics, logging). For train.py it
@@ -80,7 +80,7 @@ def hand_loop(ref_run: Path, steps: int, out: Path) -> None:
     from launcher.data import Collator, ConversationDataset
     from launcher.models import load_model_and_processor
 
-    deepspeed_logger.setLevel(logging.WARNING)  # train_loop quiets it too (it logs every config key)
+    deepspeed_logger.setLevel(logging.WARNING)  # the recipe quiets it too (it logs every config key)
     cfg, ds_config, records, model_dir = common.reference_inputs(ref_run)
     deepspeed.init_distributed(dist_backend="gloo")
     seed = int(cfg.train.seed)
@@ -89,7 +89,7 @@ def hand_loop(ref_run: Path, steps: int, out: Path) -> None:
     torch.manual_seed(seed)
 
     model, processor = load_model_and_processor(model_dir)
-    model.config.use_cache = False  # no KV cache while training, as train_loop sets
+    model.config.use_cache = False  # no KV cache while training, as the recipe sets
     dataset = ConversationDataset(records)
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
     workers = int(cfg.data.num_workers)

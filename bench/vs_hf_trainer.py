@@ -35,6 +35,13 @@ training loss of both is printed as a check that they ran the same job (with Dee
 five digits here). `--work-dir` keeps the timings; `--report WORK_DIR...` prints the table again,
 pooling several work directories.
 
+`--data variable` trains both on a generated variable-length set instead (`variable_length_data`:
+records of 20 to 400 tokens, images of mixed sizes, 1 to 3 per record), written once to
+outputs/bench/variable_data. train.py reads its data cache (data.cache=true, the default; the table
+reports when it was built and how long that took); pass `data.cache=false` to measure train.py
+decoding in its DataLoader workers, as the Trainer does: the cache's own speed-up is the ratio of
+the two train.py figures.
+
 `--hf-worker REF_RUN_DIR --out FILE` runs one Trainer job (what the benchmark starts in a subprocess).
 """
 
@@ -52,6 +59,43 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
 import _common as common
+
+VARIABLE_DATA = Path("outputs/bench/variable_data")
+WORDS = [f"w{i}" for i in range(200)]  # the tiny tokenizer learns each as one token
+
+
+def variable_length_data(out: Path, records: int = 2000, seed: int = 0) -> list[str]:
+    """Records of 20 to 400 tokens (the tiny model's: 16 per 32 px image plus ~1 per word), 1 to 3
+    images each of 24 to 64 px, the answer naming the images' colours; the train.py overrides that
+    read them. Deterministic; written once."""
+    import random
+
+    from PIL import Image
+
+    colours = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (225, 205, 30)}
+    path = out / "train.json"
+    if not path.is_file():
+        rng = random.Random(seed)
+        (out / "img").mkdir(parents=True, exist_ok=True)
+        rows = []
+        for index in range(records):
+            count = rng.randint(1, 3)
+            names = []
+            for k in range(count):
+                colour = rng.choice(list(colours))
+                side = rng.choice([24, 32, 48, 64])
+                name = f"{index:05d}_{k}_{colour}_{side}.png"
+                Image.new("RGB", (side, side + rng.randint(0, 16)), colours[colour]).save(out / "img" / name)
+                names.append(name)
+            words = rng.randint(4, 400 - 16 * count - 12)  # the template and answer take ~12 tokens
+            question = " ".join(rng.choice(WORDS) for _ in range(words))
+            answer = " ".join(name.split("_")[2] for name in names)
+            turns = [{"from": "human", "value": "<image>" * count + question}, {"from": "gpt", "value": answer}]
+            rows.append({"id": str(index), "images": names, "conversations": turns})
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rows))
+        tmp.rename(path)
+    return ["data=llava_json", f"data.path={path.absolute()}", f"data.image_root={(out / 'img').absolute()}"]
 
 
 def trainer_arguments(ds_config: dict[str, Any], cfg: Any, output_dir: Path, *, deepspeed: bool) -> Any:
@@ -170,11 +214,14 @@ def main() -> None:
         worker_flag="--hf-worker",
         foreign_cpu_help="as in overhead.py: wait for, and re-run when, other processes use this share of the CPU "
         "(0: off)",
-        options=lambda parser: parser.add_argument(
-            "--no-deepspeed", action="store_true", help="the Trainer without DeepSpeed (fallback)"
+        options=lambda parser: (
+            parser.add_argument("--no-deepspeed", action="store_true", help="the Trainer without DeepSpeed (fallback)"),
+            parser.add_argument("--data", choices=["builtin", "variable"], default="builtin", help="see above"),
         ),
     )
     args = common.parse_args(parser)
+    if args.data == "variable" and not args.worker:
+        args.overrides = [*variable_length_data(VARIABLE_DATA), *args.overrides]
     if args.worker:
         hf_worker(args.worker, args.steps, args.out, deepspeed=not args.no_deepspeed)
         return
@@ -228,6 +275,12 @@ def report(works: list[Path], skip: int) -> None:
     peak = common.median_of(a, "peak_mib") / common.median_of(b, "peak_mib")
     print(f"| ratio of the medians | {speed:.3f} | | | {peak:.3f} |")
     print(f"\npaired throughput ratios (run i of each): {', '.join(f'{r:.3f}' for r in paired)}")
+    cache = train_runs[0]["summary"].get("data_cache")
+    if cache:
+        when = "built by the first run" if cache["built"] else "reused (built by an earlier run)"
+        print(f"train.py's data cache: {when} in {cache['build_s']:.1f} s, before its first step")
+    else:
+        print("train.py read its data without the cache (data.cache=false)")
     if all("loss" in run for run in train_runs):
         ours = statistics.fmean(train_runs[0]["loss"])
         print(

@@ -235,15 +235,22 @@ def normalize(raw: Any, fmt: str, where: str, image_root: Path, options: ReadOpt
         raise BadRecord(f"{where}: a record must be a JSON object, not {type(raw).__name__}")
     if fmt == "llava":
         messages, sources = _llava(raw, where)
-    elif fmt == "sharegpt":
+    elif not _has_typed_content(raw):  # string contents, "<image>" markers: sharegpt's way, in either format
         messages, sources = _sharegpt(raw, where)
-    else:
+    else:  # typed parts (a string content among them is one text part): one file may mix both kinds
         messages, sources = _typed_messages(raw, where)
     _check_conversation(messages, where, fmt)
     images = [check_image(source, where, image_root, options) for source in sources]
     record_id = raw.get("id")
     record_id = where if record_id is None else str(record_id)
     return {"id": record_id, "where": where, "images": images, "messages": messages}
+
+
+def _has_typed_content(raw: dict) -> bool:
+    messages = raw.get("messages")
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages
+    )
 
 
 def _image_list(raw: dict, where: str, *keys: str) -> list[Any]:
@@ -281,7 +288,7 @@ def _sharegpt(raw: dict, where: str) -> tuple[list[dict], list[Any]]:
         texts.append(("system", raw["system"]))
     for turn in turns:
         if not isinstance(turn, dict) or not isinstance(turn.get("content"), str):
-            raise BadRecord(f"{where}: every message needs 'role' and a string 'content' (sharegpt format)")
+            raise BadRecord(f"{where}: every message needs 'role' and a string or list 'content' (sharegpt format)")
         texts.append((_role(turn.get("role"), where, "role"), turn["content"]))
     images = _image_list(raw, where, "images", "image")
     return _place_images(texts, len(images), where), images

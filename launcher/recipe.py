@@ -42,8 +42,11 @@ from launcher.watchdog import StepWatchdog
 
 log = logging.getLogger("launcher")
 
-# Test hook: "RANK:STEP" makes that rank raise at that step (to test how a crashed rank is reported).
+# Test hook: "RANK:STEP" makes that rank raise at that step (to test how a crashed rank is reported);
+# "RANK:STEP:hang" makes it stop answering the others there (to test the step watchdog).
 FAULT_ENV = "LAUNCHER_TEST_FAULT"
+# What a rank's error says when a collective broke: the other side of it failed or ran something else.
+_BROKEN_COLLECTIVE = ("Connection reset by peer", "Connection closed by peer", "collective mismatch")
 
 
 # ----------------------------------------------------------------------------- the rank
@@ -165,6 +168,7 @@ class Session:
     checkpoint_meta: dict[str, Any] = field(default_factory=dict)
     throughput: Throughput = field(default_factory=lambda: Throughput(0))
     last_loss: float = math.nan
+    in_step: int | None = None  # the training step running now (named in a failure's line)
     nonfinite_in_a_row: int = 0
     eval_metrics: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
@@ -208,8 +212,10 @@ def train(cfg: DictConfig, run_dir: Path) -> Summary:
         stopped_at = None
         watchdog = StepWatchdog(directory.path, rank, cfg.dist.get("step_timeout_s"), launch=job.get("launch_id"))
         for step in range(session.start_step + 1, int(cfg.train.max_steps) + 1):
+            session.in_step = step
             with watchdog.step(step):
                 metrics = train_step(session, step)
+            session.in_step = None
             if evaluation_due(cfg, step):
                 metrics.update(evaluate(session))
             record(session, step, metrics)
@@ -237,6 +243,13 @@ def _failed(
     message = one_line(err)
     if not isinstance(err, LauncherError):
         message = f"{type(err).__name__}: {message}"
+    if session is not None and session.in_step is not None:
+        message = f"step {session.in_step}: {message}"
+        if any(sign in message for sign in _BROKEN_COLLECTIVE):
+            message += (
+                " (a collective broke: another rank failed or ran a different collective; see every rank's file "
+                "in errors/; at ZeRO-3, ranks whose batches differ in modality do this: keep data.modality_guard on)"
+            )
     started = session.started if session else time.time()
     summary.status, summary.error, summary.wall_s = status, message, round(time.time() - started, 3)
     exit_code = err.exit_code if isinstance(err, LauncherError) else 1
@@ -434,6 +447,11 @@ def setup_data(s: Session, loaded: Any, cache: Path) -> Data:
     else:
         train_set, collate = ConversationDataset(loaded.train), Collator(s.processor, image_every_batch=guard)
         sources = [record["source"] for record in loaded.train]
+    if len(train_set) < micro * rank.world_size:  # records whose images failed to decode were skipped
+        raise LauncherError(
+            f"data: {len(train_set)} usable training records, fewer than one global micro-batch "
+            f"({micro} x {rank.world_size} ranks)"
+        )
     seed = int(cfg.train.seed)
     placement = {"num_replicas": rank.world_size, "rank": rank.rank, "seed": seed}
     if loaded.mixture:
@@ -471,9 +489,13 @@ def setup_data(s: Session, loaded: Any, cache: Path) -> Data:
         eval_sampler = DistributedSampler(eval_set, num_replicas=rank.world_size, rank=rank.rank, shuffle=False)
         eval_generator = torch.Generator().manual_seed(seed)
         eval_loader = DataLoader(
-            eval_set, batch_size=micro, sampler=eval_sampler, generator=eval_generator, collate_fn=eval_collate,
+            eval_set,
+            batch_size=micro,
+            sampler=eval_sampler,
+            generator=eval_generator,
+            collate_fn=eval_collate,
             **loader_args,
-        )  # fmt: skip
+        )
         if cfg.data.eval_accuracy:
             # The same number of samples per rank: under ZeRO-3 the ranks' generate calls run in lock-step.
             usable = min(int(cfg.data.eval_samples), len(loaded.eval)) // rank.world_size * rank.world_size
@@ -615,8 +637,12 @@ def nonfinite_action(loss: float, fp16: bool, in_a_row: int, allowed: int) -> st
 
 
 def _inject_fault(rank: int, step: int) -> None:
-    if os.environ.get(FAULT_ENV) and tuple(int(part) for part in os.environ[FAULT_ENV].split(":")) == (rank, step):
-        raise RuntimeError(f"fault injected by {FAULT_ENV} on rank {rank} at step {step}")
+    rank_text, step_text, *how = os.environ.get(FAULT_ENV, "-1:-1").split(":")
+    if (int(rank_text), int(step_text)) != (rank, step):
+        return
+    if how == ["hang"]:
+        time.sleep(10**6)  # the other ranks wait in this step's all-reduce
+    raise RuntimeError(f"fault injected by {FAULT_ENV} on rank {rank} at step {step}")
 
 
 def record(s: Session, step: int, metrics: dict[str, float]) -> None:

@@ -58,7 +58,11 @@ CASES = [
         "{data}/images is a folder, but not one `datasets` saved (no state.json or dataset_dict.json)",
     ),
     Case("data-path-not-set", ("data=llava_json",), "data.path is not set for data=llava_json"),
-    Case("data-path-missing", ("data=llava_json", "data.path={data}/nowhere.json"), "data.path={data}/nowhere.json: no such"),
+    Case(
+        "data-path-missing",
+        ("data=llava_json", "data.path={data}/nowhere.json"),
+        "data.path={data}/nowhere.json: no such file or folder",
+    ),
     Case(
         "image-zero-bytes",
         ("data=llava_json", "data.path={data}/zero_byte.json"),

@@ -121,11 +121,17 @@ def write_data(root: Path, fmt: str, n: int = 24) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("fmt", "arch"),
-    [("llava", "tiny_llava"), ("sharegpt", "tiny_qwen2_vl"), ("messages", "tiny_llava"), ("parquet", "tiny_qwen2_vl")],
+    ("fmt", "arch", "extra"),
+    [
+        ("llava", "tiny_llava", []),
+        ("sharegpt", "tiny_qwen2_vl", ["data.group_by_length=true"]),
+        ("messages", "tiny_llava", ["data.cache=false", "data.on_bad_record=skip"]),
+        ("parquet", "tiny_qwen2_vl", []),
+    ],
 )
-def test_each_format_trains_with_multi_image_and_text_only_records(run_train, tmp_path, fmt, arch):
-    """Records of 0, 1, 2 and 3 images, each format read from its own file; both model families."""
+def test_each_format_trains_with_multi_image_and_text_only_records(run_train, tmp_path, fmt, arch, extra):
+    """Records of 0, 1, 2 and 3 images, each format read from its own file; both model families; the
+    data cache (or not), length-grouped batches."""
     path = write_data(tmp_path, fmt)
     run_dir = tmp_path / "run"
     result = run_train(
@@ -135,13 +141,17 @@ def test_each_format_trains_with_multi_image_and_text_only_records(run_train, tm
         f"data.path={path}",
         f"data.image_root={tmp_path / 'img'}",
         "train.max_steps=10",
+        *extra,
         f"hydra.run.dir={run_dir}",
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     done = summary(run_dir)
     assert (done["status"], done["steps"], done["records_skipped"]) == ("completed", 10, 0)
-    assert done["data_cache"]["built"] is True
+    if "data.cache=false" in extra:
+        assert "data_cache" not in done
+    else:
+        assert done["data_cache"]["built"] is True
     expected = "sharegpt" if fmt == "parquet" else fmt
     assert re.search(rf"format {path.stem}={expected}\b", (run_dir / "train.log").read_text())
     curve = losses(run_dir)
@@ -160,9 +170,13 @@ def test_a_weighted_mixture_draws_by_weight_and_resumes_bitwise(run_train, isola
     reference = tmp_path / "reference"
     result = run_train(*args, f"hydra.run.dir={reference}", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    from launcher.sampling import MixtureSampler
+
     counts = summary(reference)["samples_per_source"]
-    assert counts == {"main": 24, "extra": 8}  # 8 steps x 4 samples, drawn 3:1 (exact per block)
-    assert metrics(reference)[-1]["data/samples_main"] == 24
+    # 8 steps x 4 samples: in the first block of 1000 draws (exactly 3:1 per block), as the sampler deals them.
+    dealt = MixtureSampler([40, 12], [3, 1], num_replicas=1, rank=0, seed=0).source_counts(32)
+    assert counts == {"main": dealt[0], "extra": dealt[1]} and sum(dealt) == 32
+    assert metrics(reference)[-1]["data/samples_main"] == dealt[0]
 
     run_dir = tmp_path / "run"
     process = start(run_dir, [*args, "train.save_every=4"], isolated_env)
@@ -177,7 +191,8 @@ def test_a_weighted_mixture_draws_by_weight_and_resumes_bitwise(run_train, isola
     import torch
 
     saved = torch.load(run_dir / "checkpoints" / "step4" / "launcher_rank0.pt", weights_only=False)
-    assert saved["sources"] == {"main": 12, "extra": 4}
+    halfway = MixtureSampler([40, 12], [3, 1], num_replicas=1, rank=0, seed=0).source_counts(16)
+    assert saved["sources"] == {"main": halfway[0], "extra": halfway[1]}
 
 
 # ----------------------------------------------------------------------------- ZeRO-3, mixed modalities
@@ -237,27 +252,44 @@ def test_zero3_with_ranks_of_different_modalities_matches_zero0(run_train, tmp_p
         assert abs(z3 - z0) <= 1e-5 * abs(z0), curves
 
 
-def test_without_the_guard_the_watchdog_ends_the_hang_with_one_line(run_train, tmp_path):
+def assert_ended_within(run_dir: Path, seconds: float) -> None:
+    """From rank 0's last line before step 1 (its data cache is ready) to the end of the job's files."""
+    log = (run_dir / "train.log").read_text()
+    ready = re.findall(r"^\[([\d-]+ [\d:]+),(\d+)\]\[launcher\]\[INFO\] - data cache", log, re.M)[-1]
+    ready_at = time.mktime(time.strptime(ready[0], "%Y-%m-%d %H:%M:%S")) + int(ready[1]) / 1000
+    ended_at = max(path.stat().st_mtime for path in (run_dir / "errors").iterdir())
+    assert ended_at - ready_at < seconds, ended_at - ready_at
+
+
+def test_without_the_guard_the_mixed_batches_fail_at_once_naming_the_step(run_train, tmp_path):
+    """Rank 0's batch of step 1 is text-only, rank 1's has images: their ZeRO-3 gathers differ. gloo
+    checks the sizes of what it receives, so here the job fails at once (NCCL would wait forever: the
+    watchdog's case, below); either way one line names the step and the cause."""
     path = modality_split_records(tmp_path)
-    run_dir = tmp_path / "hang"
-    timeout = 20
-    result = run_train(
-        *zero_args(tmp_path, path),
-        "deepspeed=z3",
-        "data.modality_guard=false",
-        f"dist.step_timeout_s={timeout}",
-        "dist.timeout_s=600",
-        f"hydra.run.dir={run_dir}",
-        timeout=900,
-    )
-    assert result.returncode != 0
+    run_dir = tmp_path / "mixed"
+    args = [*zero_args(tmp_path, path), "deepspeed=z3", "data.modality_guard=false", "dist.step_timeout_s=20"]
+    result = run_train(*args, f"hydra.run.dir={run_dir}", timeout=900)
+    assert result.returncode == 1
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, result.stderr[-3000:]
-    assert re.search(rf"step 1 did not finish within dist.step_timeout_s={timeout}", errors[0]), errors[0]
-    stacks = list((run_dir / "errors").glob("rank*_stacks.txt"))
-    assert stacks and "train_step" in stacks[0].read_text()
-    # From rank 0's last line before step 1 (its data cache is ready) to the watchdog's stack dump.
-    ready = re.findall(r"^\[([\d-]+ [\d:]+),(\d+)\]\[INFO\] data cache", (run_dir / "train.log").read_text(), re.M)[-1]
-    ready_at = time.mktime(time.strptime(ready[0], "%Y-%m-%d %H:%M:%S")) + int(ready[1]) / 1000
-    hung_for = stacks[0].stat().st_mtime - ready_at
-    assert timeout - 1 < hung_for < timeout + 30, hung_for
+    assert "step 1: " in errors[0] and "keep data.modality_guard on" in errors[0], errors[0]
+    assert summary(run_dir)["status"] == "failed"
+    assert_ended_within(run_dir, 20 + 30)
+
+
+def test_a_hung_step_is_ended_by_the_watchdog_with_one_line(run_train, tmp_path):
+    """Rank 1 stops answering in step 2 (the test hook), rank 0 waits in the step's all-reduce: each
+    rank's watchdog dumps its stacks and the job ends with one line naming the step."""
+    path = modality_split_records(tmp_path)
+    run_dir = tmp_path / "hang"
+    timeout = 15
+    args = [*zero_args(tmp_path, path), "deepspeed=z3", f"dist.step_timeout_s={timeout}", "dist.timeout_s=600"]
+    result = run_train(*args, f"hydra.run.dir={run_dir}", env={"LAUNCHER_TEST_FAULT": "1:2:hang"}, timeout=900)
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert re.search(rf"rank \d: step 2 did not finish within dist.step_timeout_s={timeout} s", errors[0]), errors[0]
+    stacks = {p.name: p.read_text() for p in (run_dir / "errors").glob("rank*_stacks.txt")}
+    assert stacks and all("train_step" in text for text in stacks.values()), stacks
+    assert summary(run_dir)["status"] == "failed" and [m["step"] for m in metrics(run_dir)] == [1]
+    assert_ended_within(run_dir, timeout + 30)

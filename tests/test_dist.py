@@ -299,7 +299,7 @@ def test_a_crashed_rank_stops_the_job_and_only_its_error_is_shown(run_train, tmp
     output = result.stdout + result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [
-        f"error: rank 1: RuntimeError: fault injected by LAUNCHER_TEST_FAULT on rank 1 at step 3 "
+        f"error: rank 1: step 3: RuntimeError: fault injected by LAUNCHER_TEST_FAULT on rank 1 at step 3 "
         f"(traceback: {run_dir / 'errors' / 'rank1.txt'})"
     ]
     # No wall of tracebacks: neither the ranks' nor torchrun's failure report.

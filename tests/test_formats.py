@@ -172,6 +172,29 @@ def test_openai_style_content_parts(tmp_path):
     assert [image.size for image in sample["images"]] == [(32, 32), (16, 16)]
 
 
+def test_one_messages_file_may_mix_string_and_typed_contents(tmp_path):
+    """OpenAI-style files often give text-only turns as strings: such a first record must not make the
+    file "sharegpt" and its later typed records bad."""
+    write_image(tmp_path / "a.png")
+    rows = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text", "text": "colour?"}]},
+                {"role": "assistant", "content": "blue"},
+            ]
+        },
+        {
+            "messages": [{"role": "user", "content": "<image>and this?"}, {"role": "assistant", "content": "blue"}],
+            "images": ["a.png"],
+        },
+    ]
+    records, skipped, fmt = read(write_json(tmp_path / "mixed.jsonl", rows, lines=True))
+    assert (fmt, skipped) == ("sharegpt", 0)
+    assert [len(r["images"]) for r in records] == [0, 1, 1]
+    assert records[2]["messages"][0]["content"] == [{"type": "image"}, {"type": "text", "text": "and this?"}]
+
+
 def test_format_is_detected_per_file_and_can_be_named(tmp_path):
     write_image(tmp_path / "a.png")
     path = write_json(tmp_path / "d.json", [llava()])
