@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from launcher.errors import LauncherError
+from launcher.errors import LauncherError, TrainingFailed
 from launcher.formats import BadRecord
 
 CACHE_VERSION = 1
@@ -129,7 +129,14 @@ def ensure_cache(
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
     tmp.chmod(0o755)
     try:
-        kept, skipped = _write_tensors(tmp, records, encode, load, on_bad_record=on_bad_record, workers=num_workers)
+        try:
+            kept, skipped = _write_tensors(tmp, records, encode, load, on_bad_record=on_bad_record, workers=num_workers)
+        except OSError as error:  # a full disk, a file size limit
+            free = shutil.disk_usage(root).free / 2**30
+            raise TrainingFailed(
+                f"cannot write the data cache under {root} ({error.strerror or error}; {free:.1f} GiB free): free "
+                "disk space, set cache_dir to a disk with room, or data.cache=false"
+            ) from error
         if not kept:
             raise LauncherError(
                 f"data: none of the {skipped} records could be decoded (all skipped under data.on_bad_record=skip): "

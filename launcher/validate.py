@@ -104,6 +104,11 @@ def check_knobs(cfg: DictConfig) -> None:
     _at_least(dist, "nnodes", 1, "dist")
     _at_least(dist, "node_rank", 0, "dist")
     _at_least(dist, "timeout_s", 1, "dist")
+    if dist.step_timeout_s is not None and not 0 <= float(dist.step_timeout_s) < float("inf"):
+        raise LauncherError(
+            f"dist.step_timeout_s={dist.step_timeout_s} must be a number of seconds, or 0 (or null) for no watchdog"
+        )
+    _at_least(data, "max_image_pixels", 1, "data")
     if dist.master_port is not None and not 1 <= int(dist.master_port) <= 65535:
         raise LauncherError(f"dist.master_port={dist.master_port} must be a TCP port in [1, 65535]")
     _at_least(train, "keep_checkpoints", 1, "train")

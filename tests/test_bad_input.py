@@ -220,6 +220,12 @@ CASES = [
     Case("betas-out-of-range", ("train.betas=[0.9,1.0]",), "train.betas=[0.9, 1.0] must be two numbers in [0, 1)"),
     Case("dist-timeout-zero", ("dist.timeout_s=0",), "dist.timeout_s=0 must be positive"),
     Case(
+        "step-timeout-negative",
+        ("dist.step_timeout_s=-5",),
+        "dist.step_timeout_s=-5.0 must be a number of seconds, or 0 (or null) for no watchdog",
+    ),
+    Case("max-image-pixels-zero", ("data.max_image_pixels=0",), "data.max_image_pixels=0 must be positive"),
+    Case(
         "optimizer-parameter-unknown",
         ("+deepspeed_extra.optimizer.params.momentum=0.9",),
         "optimizer.params.momentum is not a parameter of the optimizer (type AdamW) (AdamW takes",
@@ -536,10 +542,11 @@ def test_bad_input_is_one_clear_error(run_train, request, tmp_path, case):
 def test_a_failed_checkpoint_write_is_one_line_and_leaves_nothing_that_looks_complete(isolated_env, tmp_path):
     """A real write error while saving: files may grow to 2 MiB, the checkpoint (about 3.5 MiB) cannot.
 
-    Everything written before the save (the cached tiny model: about 1.2 MiB) stays under the limit."""
+    Everything written before the save (the cached tiny model: about 1.2 MiB) stays under the limit;
+    the data cache (49 MB of pixels) is not used here: its own write failure is the next test."""
     run_dir = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "train.py", *COMMON, "train.save_every=0", f"hydra.run.dir={run_dir}"],
+        [sys.executable, "train.py", *COMMON, "train.save_every=0", "data.cache=false", f"hydra.run.dir={run_dir}"],
         cwd=ROOT,
         env=isolated_env,
         capture_output=True,
@@ -552,6 +559,25 @@ def test_a_failed_checkpoint_write_is_one_line_and_leaves_nothing_that_looks_com
     assert "file size limit (ulimit -f) 2 MiB" in line
     assert_failed_and_incomplete(run_dir, message, planned=True)
     assert (run_dir / "checkpoints" / "step2").is_dir()  # the partial files stay, never resumed from
+
+
+def test_a_failed_data_cache_write_is_one_line_and_leaves_no_cache_that_looks_complete(isolated_env, tmp_path):
+    """Files may grow to 2 MiB; the data cache of 300 built-in records holds 3.5 MiB of pixels."""
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    args = [*COMMON, "data.n_train=300", "data.n_eval=20", f"cache_dir={cache}", f"hydra.run.dir={run_dir}"]
+    result = subprocess.run(
+        [sys.executable, "train.py", *args],
+        cwd=ROOT,
+        env=isolated_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=limit_file_size(2 * 2**20),
+    )
+    line = assert_one_clear_error(result, f"cannot write the data cache under {cache / 'data_cache'} (", 1)
+    assert "data.cache=false" in line
+    assert not list((cache / "data_cache").rglob("meta.json"))  # nothing that looks complete
+    assert not list((cache / "data_cache").iterdir())  # the partial build is removed
 
 
 def test_a_new_job_in_a_finished_runs_directory_is_refused_and_leaves_it_as_it_was(run_train, finished_run):
