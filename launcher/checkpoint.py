@@ -162,7 +162,8 @@ class DataPosition:
 
     epoch: int = 0
     batches: int = 0
-    sources: dict[str, int] | None = None  # a mixture's samples drawn per source (all ranks), at save
+    # A mixture's samples drawn from ("drawn") and records in ("records") each source, at save.
+    sources: dict[str, dict[str, int]] | None = None
 
 
 class ResumableSampler(DistributedSampler):

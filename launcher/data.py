@@ -362,14 +362,12 @@ class Collator:
 
     `image_every_batch`: a batch without images gets a dummy one (see `add_dummy_image`), so that the
     vision tower runs on every batch: under ZeRO-3 with several ranks every rank must gather the same
-    parameters in the same order, or the collectives wait forever. `with_sources` adds "sources" (the
-    source index of each sample, for per-source metrics; pop it before the forward).
+    parameters in the same order, or the collectives wait forever.
     """
 
-    def __init__(self, processor, *, image_every_batch: bool = False, with_sources: bool = False):
+    def __init__(self, processor, *, image_every_batch: bool = False):
         self.processor = processor
         self.image_every_batch = image_every_batch
-        self.with_sources = with_sources
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
         rendered = [render_with_assistant_spans(self.processor, sample["messages"]) for sample in samples]
@@ -387,8 +385,6 @@ class Collator:
         batch["labels"] = batch["input_ids"].masked_fill(~supervised, IGNORE_INDEX)
         if self.image_every_batch and "pixel_values" not in batch:
             batch = add_dummy_image(self.processor, batch, padding_side="right")
-        if self.with_sources:
-            batch["sources"] = torch.tensor([s.get("source", 0) for s in samples])
         return batch
 
 

@@ -15,8 +15,8 @@ copy, with no conversion of nested lists, and the page cache shares the bytes be
 and ranks on one machine. pixel_values are kept in the processor's dtype (float32), so a cached batch is
 bitwise the batch the processor makes: 4 bytes per value, e.g. 1.3 MiB per 336 x 336 image.
 
-The key covers what the tensors depend on: the records (text, and each image's path, size and
-modification time, or its bytes), the processor (tokenizer, chat template, image settings such as
+The key covers what the tensors and their bookkeeping depend on: the records (source, text, and each
+image's path, size and modification time, or its bytes), the processor (tokenizer, chat template, image settings such as
 min/max pixels) and the model. A change to any of them builds a new cache; a complete cache is reused.
 A build is written to a temporary directory and renamed into place: a crash leaves nothing that looks
 complete.
@@ -40,9 +40,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from launcher.errors import LauncherError, TrainingFailed
-from launcher.formats import BadRecord
+from launcher.formats import BadRecordError
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 META_FILE = "meta.json"
 INDEX_FILE = "index.npz"
 # Tensors of a record that depend on nothing but the record; attention_mask is all ones until padded.
@@ -56,7 +56,7 @@ def cache_key(records: list[dict], processor: Any, model: str) -> str:
     digest.update(processor_fingerprint(processor).encode())
     for record in records:
         images = [_image_identity(image) for image in record["images"]]
-        digest.update(json.dumps([record["id"], record["messages"], images]).encode())
+        digest.update(json.dumps([record["id"], record.get("source", 0), record["messages"], images]).encode())
     return digest.hexdigest()[:20]
 
 
@@ -118,7 +118,7 @@ def ensure_cache(
     num_workers: int,
 ) -> CacheInfo:
     """The cache for these records, built when missing. `load(i)` decodes record i (images and all,
-    raising BadRecord when it cannot); `encode(sample)` turns it into the record's tensors."""
+    raising BadRecordError when it cannot); `encode(sample)` turns it into the record's tensors."""
     key = cache_key(records, processor, model)
     path = root / key
     meta = _read_meta(path)
@@ -148,6 +148,7 @@ def ensure_cache(
             "model": model,
             "records": len(kept),
             "skipped": skipped,
+            "indices": kept,  # positions in the records given: which survived a skip
             "ids": [records[i]["id"] for i in kept],
             "sources": [records[i].get("source", 0) for i in kept],
             "build_seconds": round(time.perf_counter() - started, 3),
@@ -164,7 +165,7 @@ def ensure_cache(
 
 
 class _Decoded(Dataset):
-    """Record i -> (i, its tensors) or (i, the BadRecord); decoding and encoding run in the workers."""
+    """Record i -> (i, its tensors) or (i, the BadRecordError); decoding and encoding run in the workers."""
 
     def __init__(self, count: int, load: Callable[[int], dict], encode: Callable[[dict], dict[str, torch.Tensor]]):
         self.count, self.load, self.encode = count, load, encode
@@ -175,7 +176,7 @@ class _Decoded(Dataset):
     def __getitem__(self, index: int) -> tuple[int, Any]:
         try:
             return index, {k: v.numpy() for k, v in self.encode(self.load(index)).items()}
-        except BadRecord as error:
+        except BadRecordError as error:
             return index, error
 
 
@@ -203,7 +204,7 @@ def _write_tensors(
     kept, skipped = [], 0
     try:
         for index, tensors in loader:
-            if isinstance(tensors, BadRecord):
+            if isinstance(tensors, BadRecordError):
                 if on_bad_record != "skip":
                     raise tensors
                 skipped += 1
@@ -250,7 +251,7 @@ class CachedDataset(Dataset):
         meta = _read_meta(self.path)
         if meta is None:
             raise LauncherError(f"{self.path}: not a complete data cache; delete it to have it built again")
-        self.ids, self.sources = meta["ids"], meta["sources"]
+        self.ids, self.sources, self.indices = meta["ids"], meta["sources"], meta["indices"]
         index = np.load(self.path / INDEX_FILE)
         self.names = sorted({key.rsplit(".", 1)[0] for key in index.files})
         self.offsets = {name: index[f"{name}.offsets"] for name in self.names}
@@ -287,11 +288,10 @@ class CachedDataset(Dataset):
 class CachedCollator:
     """Cached records -> the batch `Collator` makes from the same records (right-padded, labels)."""
 
-    def __init__(self, processor: Any, *, image_every_batch: bool = False, with_sources: bool = False):
+    def __init__(self, processor: Any, *, image_every_batch: bool = False):
         self.processor = processor
         self.pad_token_id = processor.tokenizer.pad_token_id
         self.image_every_batch = image_every_batch
-        self.with_sources = with_sources
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
         from launcher.data import add_dummy_image
@@ -315,6 +315,4 @@ class CachedCollator:
                 batch[name] = torch.cat([row[name] for row in rows])  # pixel_values, image_grid_thw
         if self.image_every_batch and "pixel_values" not in batch:
             batch = add_dummy_image(self.processor, batch, padding_side="right")
-        if self.with_sources:
-            batch["sources"] = torch.tensor([sample["source"] for sample in samples])
         return batch

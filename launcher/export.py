@@ -20,6 +20,7 @@ optimizer kept them in.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -284,14 +285,20 @@ def held_out_batches(cfg: Any, processor: Any, samples: int) -> list[dict[str, A
     from omegaconf import OmegaConf
 
     from launcher.data import Collator, ConversationDataset, read_data
+    from launcher.formats import BadRecordError
 
     cache = Path(str(cfg.cache_dir)).expanduser().absolute()
     data = OmegaConf.merge(cfg.data, {"on_bad_record": "skip"})
-    loaded = read_data(data, cache, decode=True)
-    records = loaded.eval or loaded.train
-    dataset = ConversationDataset(records[: max(1, samples)])
+    loaded = read_data(data, cache)
+    dataset = ConversationDataset(loaded.eval or loaded.train)
+    chosen = []
+    for index in range(len(dataset)):  # the first `samples` whose images decode
+        with contextlib.suppress(BadRecordError):
+            chosen.append(dataset[index])
+        if len(chosen) == max(1, samples):
+            break
     collate = Collator(processor)
-    return [collate([dataset[i] for i in range(s, min(s + 4, len(dataset)))]) for s in range(0, len(dataset), 4)]
+    return [collate(chosen[start : start + 4]) for start in range(0, len(chosen), 4)]
 
 
 def logits(model: Any, batches: list[dict[str, Any]]) -> list[Any]:

@@ -29,6 +29,7 @@ import binascii
 import io
 import json
 import os
+import re
 import stat
 import warnings
 from collections.abc import Iterator
@@ -48,7 +49,7 @@ DATASET_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow"}
 DEFAULT_MAX_IMAGE_PIXELS = 64_000_000  # 8000 x 8000: larger is treated as a decompression bomb
 
 
-class BadRecord(LauncherError):
+class BadRecordError(LauncherError):
     """A record that cannot train; skipped and counted under data.on_bad_record=skip."""
 
 
@@ -93,14 +94,14 @@ def read_records(path: str | Path, options: ReadOptions) -> tuple[list[dict], in
             if fmt is None:
                 fmt = detect_format(raw, where)
             records.append(normalize(raw, fmt, where, image_root, options))
-        except BadRecord:
+        except BadRecordError:
             if not skip:
                 raise
             skipped += 1
     if not records:
         reason = f"all {skipped} records are bad and were skipped" if skipped else "it holds no records"
         raise LauncherError(f"{source}: empty data set ({reason})")
-    return records, skipped, fmt or "llava"
+    return records, skipped, str(fmt)
 
 
 # ----------------------------------------------------------------------------- reading rows
@@ -192,7 +193,7 @@ def _dataset_rows(source: str, options: ReadOptions) -> Iterator[tuple[str, Any]
             data = datasets.load_dataset(source, split=options.split, cache_dir=cache_dir)
     except FileNotFoundError as error:
         raise LauncherError(f"{source}: no such file, folder or reachable hub data set ({error})") from None
-    except (OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as error:
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as error:
         raise LauncherError(f"{source}: `datasets` cannot read it ({type(error).__name__}: {error})") from None
     if isinstance(data, datasets.DatasetDict):
         if options.split not in data:
@@ -207,9 +208,16 @@ def _dataset_rows(source: str, options: ReadOptions) -> Iterator[tuple[str, Any]
 
 
 def looks_like_hub_id(path: str) -> bool:
-    """ "org/name": what `datasets` would look up on the hub (a local path that does not exist is not one)."""
+    """Whether `datasets` should look `path` up on the hub ("org/name"). Not when offline
+    (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE), nor when "org" is a local folder or the name ends like a data
+    file: a mistyped local path must be "no such file", not a wait on the network."""
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+        return False
     parts = path.split("/")
-    return len(parts) == 2 and all(parts) and not path.startswith((".", "~")) and Path(path).suffix == ""
+    if len(parts) != 2 or not re.fullmatch(r"[\w.-]+/[\w.-]+", path) or path.startswith((".", "~")):
+        return False
+    data_file = Path(path).suffix.lower() in {".json", ".jsonl", *DATASET_SUFFIXES}
+    return not data_file and not Path(parts[0]).is_dir()
 
 
 # ----------------------------------------------------------------------------- formats
@@ -223,16 +231,16 @@ def detect_format(raw: Any, where: str) -> str:
             typed = any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages)
             return "messages" if typed else "sharegpt"
     keys = ", ".join(repr(k) for k in list(raw)[:6]) if isinstance(raw, dict) else type(raw).__name__
-    raise BadRecord(
+    raise BadRecordError(
         f"{where}: not a record of a known format (found {keys}): a record needs 'conversations' (llava) or "
         "'messages' (sharegpt, messages); set data.format to say which"
     )
 
 
 def normalize(raw: Any, fmt: str, where: str, image_root: Path, options: ReadOptions) -> dict:
-    """One record of format `fmt` -> the common record (see the module docstring); BadRecord if unusable."""
+    """One record of format `fmt` -> the common record (see the module docstring); BadRecordError if unusable."""
     if not isinstance(raw, dict):
-        raise BadRecord(f"{where}: a record must be a JSON object, not {type(raw).__name__}")
+        raise BadRecordError(f"{where}: a record must be a JSON object, not {type(raw).__name__}")
     if fmt == "llava":
         messages, sources = _llava(raw, where)
     elif not _has_typed_content(raw):  # string contents, "<image>" markers: sharegpt's way, in either format
@@ -261,7 +269,7 @@ def _image_list(raw: dict, where: str, *keys: str) -> list[Any]:
             continue
         values = value if isinstance(value, list) else [value]
         if not all(isinstance(v, str | dict | bytes) for v in values):
-            raise BadRecord(f"{where}: '{key}' must be an image path or a list of image paths")
+            raise BadRecordError(f"{where}: '{key}' must be an image path or a list of image paths")
         return values
     return []
 
@@ -269,11 +277,11 @@ def _image_list(raw: dict, where: str, *keys: str) -> list[Any]:
 def _llava(raw: dict, where: str) -> tuple[list[dict], list[Any]]:
     turns = raw.get("conversations")
     if not isinstance(turns, list) or not turns:
-        raise BadRecord(f"{where}: 'conversations' must be a non-empty list of turns (llava format)")
+        raise BadRecordError(f"{where}: 'conversations' must be a non-empty list of turns (llava format)")
     texts = []
     for turn in turns:
         if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
-            raise BadRecord(f"{where}: every turn needs 'from' and a string 'value' (llava format)")
+            raise BadRecordError(f"{where}: every turn needs 'from' and a string 'value' (llava format)")
         texts.append((_role(turn.get("from"), where, "from"), turn["value"]))
     images = _image_list(raw, where, "image", "images")
     return _place_images(texts, len(images), where), images
@@ -282,13 +290,13 @@ def _llava(raw: dict, where: str) -> tuple[list[dict], list[Any]]:
 def _sharegpt(raw: dict, where: str) -> tuple[list[dict], list[Any]]:
     turns = raw.get("messages")
     if not isinstance(turns, list) or not turns:
-        raise BadRecord(f"{where}: 'messages' must be a non-empty list (sharegpt format)")
+        raise BadRecordError(f"{where}: 'messages' must be a non-empty list (sharegpt format)")
     texts = []
     if isinstance(raw.get("system"), str) and raw["system"].strip():
         texts.append(("system", raw["system"]))
     for turn in turns:
         if not isinstance(turn, dict) or not isinstance(turn.get("content"), str):
-            raise BadRecord(f"{where}: every message needs 'role' and a string or list 'content' (sharegpt format)")
+            raise BadRecordError(f"{where}: every message needs 'role' and a string 'content' (sharegpt format)")
         texts.append((_role(turn.get("role"), where, "role"), turn["content"]))
     images = _image_list(raw, where, "images", "image")
     return _place_images(texts, len(images), where), images
@@ -297,17 +305,26 @@ def _sharegpt(raw: dict, where: str) -> tuple[list[dict], list[Any]]:
 def _typed_messages(raw: dict, where: str) -> tuple[list[dict], list[Any]]:
     turns = raw.get("messages")
     if not isinstance(turns, list) or not turns:
-        raise BadRecord(f"{where}: 'messages' must be a non-empty list (messages format)")
+        raise BadRecordError(f"{where}: 'messages' must be a non-empty list (messages format)")
     listed = iter(_image_list(raw, where, "images", "image"))  # for image parts that name no image
     messages, images = [], []
     for turn in turns:
         if not isinstance(turn, dict):
-            raise BadRecord(f"{where}: every message must be an object with 'role' and 'content'")
+            raise BadRecordError(f"{where}: every message must be an object with 'role' and 'content'")
         role, content = _role(turn.get("role"), where, "role"), turn.get("content")
+        if isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        if not isinstance(content, list):
+            raise BadRecordError(f"{where}: a message's 'content' must be a string or a list of parts")
         parts: list[dict] = []
-        for part in [{"type": "text", "text": content}] if isinstance(content, str) else content or []:
+        for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text" and isinstance(part.get("text"), str):
+                if IMAGE_PLACEHOLDER in part["text"]:
+                    raise BadRecordError(
+                        f"{where}: '{IMAGE_PLACEHOLDER}' in a text part; with typed content give each image as an "
+                        "image part ({'type': 'image', ...})"
+                    )
                 if part["text"].strip():
                     parts.append({"type": "text", "text": part["text"].strip()})
             elif kind in ("image", "image_url"):
@@ -315,16 +332,16 @@ def _typed_messages(raw: dict, where: str) -> tuple[list[dict], list[Any]]:
                 if source is None:
                     source = next(listed, None)
                     if source is None:
-                        raise BadRecord(f"{where}: more image parts than images in 'images'")
+                        raise BadRecordError(f"{where}: more image parts than images in 'images'")
                 parts.append({"type": "image"})
                 images.append(source)
             else:
-                raise BadRecord(
+                raise BadRecordError(
                     f"{where}: content part {part!r:.60} is not {{'type': 'text', 'text': ...}} or an image part"
                 )
         messages.append({"role": role, "content": parts})
     if next(listed, None) is not None:
-        raise BadRecord(f"{where}: 'images' lists more images than the messages have image parts")
+        raise BadRecordError(f"{where}: 'images' lists more images than the messages have image parts")
     return messages, images
 
 
@@ -340,8 +357,8 @@ def _part_image(part: dict) -> Any:
 
 
 def _role(name: Any, where: str, key: str) -> str:
-    if name not in ROLES:
-        raise BadRecord(f"{where}: unknown {key} {name!r} (use one of {', '.join(ROLES)})")
+    if not isinstance(name, str) or name not in ROLES:
+        raise BadRecordError(f"{where}: unknown {key} {name!r} (use one of {', '.join(ROLES)})")
     return ROLES[name]
 
 
@@ -350,7 +367,7 @@ def _place_images(turns: list[tuple[str, str]], count: int, where: str) -> list[
     first user text when there is none)."""
     markers = sum(text.count(IMAGE_PLACEHOLDER) for _, text in turns)
     if markers and markers != count:
-        raise BadRecord(
+        raise BadRecordError(
             f"{where}: {markers} '{IMAGE_PLACEHOLDER}' marker(s) but {count} image(s): give one marker per image "
             "(or none, to put every image before the first question)"
         )
@@ -372,14 +389,14 @@ def _place_images(turns: list[tuple[str, str]], count: int, where: str) -> list[
 def _check_conversation(messages: list[dict], where: str, fmt: str) -> None:
     roles = [m["role"] for m in messages]
     if "assistant" not in roles:
-        raise BadRecord(f"{where}: no assistant turn to learn from ({fmt} format)")
+        raise BadRecordError(f"{where}: no assistant turn to learn from ({fmt} format)")
     if "user" not in roles[: roles.index("assistant")]:
-        raise BadRecord(f"{where}: the first assistant turn must follow a user turn")
+        raise BadRecordError(f"{where}: the first assistant turn must follow a user turn")
     if "system" in roles[1:]:
-        raise BadRecord(f"{where}: a system turn may only come first")
+        raise BadRecordError(f"{where}: a system turn may only come first")
     for message in messages:
         if message["role"] != "user" and any(p["type"] == "image" for p in message["content"]):
-            raise BadRecord(f"{where}: images may only be in user turns, not in a {message['role']} turn")
+            raise BadRecordError(f"{where}: images may only be in user turns, not in a {message['role']} turn")
 
 
 def record_texts(record: dict) -> list[str]:
@@ -392,7 +409,7 @@ def record_texts(record: dict) -> list[str]:
 
 # ----------------------------------------------------------------------------- images
 def check_image(source: Any, where: str, image_root: Path, options: ReadOptions) -> str | bytes:
-    """An image reference -> an absolute path, or the image's bytes; BadRecord when it cannot train."""
+    """An image reference -> an absolute path, or the image's bytes; BadRecordError when it cannot train."""
     data: bytes | None = None
     if isinstance(source, dict):  # a `datasets` Image column read undecoded
         data, source = source.get("bytes"), source.get("path")
@@ -401,26 +418,27 @@ def check_image(source: Any, where: str, image_root: Path, options: ReadOptions)
     elif isinstance(source, str) and source.startswith("data:"):
         try:
             data = base64.b64decode(source.split(",", 1)[1], validate=True)
-        except (IndexError, binascii.Error):
-            raise BadRecord(f"{where}: image data URL is not valid base64") from None
+        except (IndexError, ValueError, binascii.Error):
+            raise BadRecordError(f"{where}: image data URL is not valid base64") from None
     if data is not None:
         _check_pixels(io.BytesIO(data), "embedded image", where, options)
         return data
     if not isinstance(source, str) or not source:
-        raise BadRecord(f"{where}: an image must be a path (relative to data.image_root) or embedded bytes")
+        raise BadRecordError(f"{where}: an image must be a path (relative to data.image_root) or embedded bytes")
     if source.startswith(("http://", "https://")):
-        raise BadRecord(f"{where}: image {source} is a URL; images are not downloaded: fetch them, give paths")
+        raise BadRecordError(f"{where}: image {source} is a URL; images are not downloaded: fetch them, give paths")
     path = _inside_root(source.removeprefix("file://"), image_root, where)
     try:
         info = path.stat()
     except FileNotFoundError:
-        raise BadRecord(f"{where}: image file {path} does not exist") from None
-    except OSError as error:  # a symlink loop, a name too long, no permission
-        raise BadRecord(f"{where}: image path {path} cannot be read ({error.strerror or error})") from None
+        raise BadRecordError(f"{where}: image file {path} does not exist") from None
+    except (OSError, ValueError) as error:  # a symlink loop, a name too long, no permission, a NUL byte
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        raise BadRecordError(f"{where}: image path {path} cannot be read ({reason})") from None
     if stat.S_ISDIR(info.st_mode):
-        raise BadRecord(f"{where}: image {path} is a directory, not an image file")
+        raise BadRecordError(f"{where}: image {path} is a directory, not an image file")
     if info.st_size == 0:
-        raise BadRecord(f"{where}: image file {path} is empty (0 bytes)")
+        raise BadRecordError(f"{where}: image file {path} is empty (0 bytes)")
     _check_pixels(path, f"image file {path}", where, options)
     return str(path)
 
@@ -430,7 +448,7 @@ def _inside_root(name: str, image_root: Path, where: str) -> Path:
     elsewhere). Checked on the path as written: a symlinked image folder inside the root is fine."""
     path = Path(os.path.normpath(image_root / name))
     if path != image_root and image_root not in path.parents:
-        raise BadRecord(
+        raise BadRecordError(
             f"{where}: image path {name!r} leaves the image root {image_root}: give paths inside data.image_root "
             "(or set data.image_root to a folder that holds the images)"
         )
@@ -445,7 +463,7 @@ def _check_pixels(file: Path | io.BytesIO, what: str, where: str, options: ReadO
             with Image.open(file) as image:
                 width, height = image.size
                 if width * height > options.max_image_pixels:
-                    raise BadRecord(
+                    raise BadRecordError(
                         f"{where}: {what} is {width}x{height} = {width * height} pixels, over "
                         f"data.max_image_pixels={options.max_image_pixels} (a decompression bomb?); "
                         "shrink it or raise the limit"
@@ -453,13 +471,13 @@ def _check_pixels(file: Path | io.BytesIO, what: str, where: str, options: ReadO
                 if options.decode:
                     image.load()
     except Image.DecompressionBombError as error:
-        raise BadRecord(f"{where}: {what} is too large to open ({error}); shrink it") from None
+        raise BadRecordError(f"{where}: {what} is too large to open ({error}); shrink it") from None
     except (OSError, ValueError, SyntaxError) as error:  # UnidentifiedImageError is an OSError
-        raise BadRecord(f"{where}: {what} cannot be decoded as an image ({error})") from None
+        raise BadRecordError(f"{where}: {what} cannot be decoded as an image ({error})") from None
 
 
 def open_image(image: str | bytes, where: str) -> Image.Image:
-    """Decode a record's image to RGB (paths and bytes alike); BadRecord naming the record otherwise."""
+    """Decode a record's image to RGB (paths and bytes alike); BadRecordError naming the record otherwise."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -468,4 +486,4 @@ def open_image(image: str | bytes, where: str) -> Image.Image:
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
         what = "embedded image" if isinstance(image, bytes) else f"image {image}"
         fix = "fix or remove it, or set data.on_bad_record=skip"
-        raise BadRecord(f"{where}: cannot decode {what} ({error}); {fix}") from error
+        raise BadRecordError(f"{where}: cannot decode {what} ({error}); {fix}") from error

@@ -127,6 +127,11 @@ class Data:
             return {}
         return dict(zip(self.source_names, self.sampler.source_counts(global_draws), strict=True))
 
+    def mixture_position(self, global_draws: int) -> dict[str, dict[str, int]]:
+        """What a checkpoint records of a mixture: samples drawn from, and records in, each source."""
+        sizes = dict(zip(self.source_names, (int(n) for n in self.sampler.sizes), strict=True))
+        return {"drawn": self.source_counts(global_draws), "records": sizes}
+
 
 @dataclass
 class Throughput:
@@ -210,7 +215,13 @@ def train(cfg: DictConfig, run_dir: Path) -> Summary:
         if place.is_main and job.get("resume_tag"):
             directory.write_summary(summary)
         stopped_at = None
-        watchdog = StepWatchdog(directory.path, rank, cfg.dist.get("step_timeout_s"), launch=job.get("launch_id"))
+        watchdog = StepWatchdog(
+            directory.path,
+            rank,
+            cfg.dist.get("step_timeout_s"),
+            launch=job.get("launch_id"),
+            announce=cfg.dist.launcher == "slurm",
+        )
         for step in range(session.start_step + 1, int(cfg.train.max_steps) + 1):
             session.in_step = step
             with watchdog.step(step):
@@ -246,10 +257,10 @@ def _failed(
     if session is not None and session.in_step is not None:
         message = f"step {session.in_step}: {message}"
         if any(sign in message for sign in _BROKEN_COLLECTIVE):
-            message += (
-                " (a collective broke: another rank failed or ran a different collective; see every rank's file "
-                "in errors/; at ZeRO-3, ranks whose batches differ in modality do this: keep data.modality_guard on)"
-            )
+            message += " (a collective broke: another rank failed or ran a different collective; see errors/"
+            if session.summary.zero_stage == 3:
+                message += "; at ZeRO-3, ranks whose batches differ in modality do this: keep data.modality_guard on"
+            message += ")"
     started = session.started if session else time.time()
     summary.status, summary.error, summary.wall_s = status, message, round(time.time() - started, 3)
     exit_code = err.exit_code if isinstance(err, LauncherError) else 1
@@ -480,10 +491,12 @@ def setup_data(s: Session, loaded: Any, cache: Path) -> Data:
     )
     eval_loader = accuracy_set = None
     if loaded.eval:
+        eval_records = loaded.eval
         if cfg.data.cache:
             eval_set, eval_cache = _cached_dataset(s, loaded.eval, cache)
             eval_collate: Any = CachedCollator(s.processor, image_every_batch=guard)
             skipped += eval_cache.skipped
+            eval_records = [loaded.eval[index] for index in eval_set.indices]  # those that decoded
         else:
             eval_set, eval_collate = ConversationDataset(loaded.eval), Collator(s.processor, image_every_batch=guard)
         eval_sampler = DistributedSampler(eval_set, num_replicas=rank.world_size, rank=rank.rank, shuffle=False)
@@ -498,8 +511,8 @@ def setup_data(s: Session, loaded: Any, cache: Path) -> Data:
         )
         if cfg.data.eval_accuracy:
             # The same number of samples per rank: under ZeRO-3 the ranks' generate calls run in lock-step.
-            usable = min(int(cfg.data.eval_samples), len(loaded.eval)) // rank.world_size * rank.world_size
-            accuracy_set = ConversationDataset(loaded.eval[:usable][rank.rank :: rank.world_size])
+            usable = min(int(cfg.data.eval_samples), len(eval_records)) // rank.world_size * rank.world_size
+            accuracy_set = ConversationDataset(eval_records[:usable][rank.rank :: rank.world_size])
     position = checkpoint.DataPosition()
     batches = checkpoint.batches(train_loader, sampler, position, micro)
     names = [source.name for source in loaded.sources] if loaded.mixture else []
@@ -556,11 +569,13 @@ def resume(s: Session) -> dict[str, Any] | None:
 
 
 def _check_mixture_position(s: Session, saved: checkpoint.DataPosition) -> None:
-    expected = s.data.source_counts(_global_draws(s, saved.batches))
-    if saved.sources != expected:
+    """The mixture must be the one saved: the same sources, records per source and draws per source."""
+    now = s.data.mixture_position(_global_draws(s, saved.batches))
+    if saved.sources != now:
         raise LauncherError(
-            f"the checkpoint drew {saved.sources} samples per source, the data now gives {expected} at the same "
-            "step: data.sources (files, weights or names) changed since it was saved; resume with the same mixture"
+            f"the checkpoint's mixture {saved.sources} differs from the data's now {now} at the same step: "
+            "data.sources (files, their records, weights or names) changed since it was saved; resume with the "
+            "same mixture"
         )
 
 
@@ -701,7 +716,7 @@ def save(s: Session, step: int) -> None:
     DeepSpeed stores its config dict in the checkpoint: it stores the one without credentials."""
     keep = int(s.cfg.train.keep_checkpoints)
     if s.data.source_names:
-        s.data.position.sources = s.data.source_counts(_global_draws(s, s.data.position.batches))
+        s.data.position.sources = s.data.mixture_position(_global_draws(s, s.data.position.batches))
     real = s.engine.config
     s.engine.config = credentials.split(real)[0]
     try:

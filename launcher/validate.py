@@ -212,6 +212,11 @@ def check_data(data: DictConfig) -> None:
         raise LauncherError(
             "data.group_by_length=true needs data.cache=true: the lengths it sorts by come from the cache"
         )
+    if data.group_by_length and data.sources:
+        raise LauncherError(
+            "data.group_by_length=true with data.sources: a mixture deals its draws by weight, not by length; "
+            "use one of them"
+        )
     if data.synthetic:
         return
     if data.name == "mixture" and not data.sources:  # conf/data/mixture.yaml: the sources are the point

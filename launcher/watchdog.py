@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -34,12 +35,16 @@ class StepWatchdog:
     Python (the interpreter hands the GIL over every switch interval).
     """
 
-    def __init__(self, run_dir: Path, rank: int, timeout_s: float | None, *, launch: str | None = None) -> None:
+    def __init__(
+        self, run_dir: Path, rank: int, timeout_s: float | None, *, launch: str | None = None, announce: bool = False
+    ) -> None:
         if timeout_s is not None and timeout_s < 0:
             raise LauncherError(
                 f"dist.step_timeout_s={timeout_s} must be a number of seconds, or 0/null to turn the watchdog off"
             )
         self.run_dir, self.rank, self.launch = Path(run_dir), rank, launch
+        # Print the line too: under SLURM each task is its own launcher, and none is left to read errors/.
+        self.announce = announce
         self.timeout_s = float(timeout_s or 0)
         self._condition = threading.Condition()
         self._armed: tuple[int, float] | None = None  # (step, monotonic deadline) while a step runs
@@ -101,5 +106,7 @@ class StepWatchdog:
                 "raise dist.step_timeout_s if steps are legitimately this slow"
             )
             record_rank_error(self.run_dir, self.rank, message, code, stacks.read_text(), launch=self.launch)
+            if self.announce:
+                print(f"error: rank {self.rank}: {message}", file=sys.stderr, flush=True)
         finally:
             os._exit(code)  # even when the records could not be written (a full disk): a hung rank must end

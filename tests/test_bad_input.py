@@ -129,6 +129,11 @@ CASES = [
         "data.sources[1].path={data}/gone.json: no such file or folder",
     ),
     Case(
+        "group-by-length-with-a-mixture",
+        ("data=mixture", "data.sources=[{{path: {data}/train.json}}]", "data.group_by_length=true"),
+        "data.group_by_length=true with data.sources: a mixture deals its draws by weight",
+    ),
+    Case(
         "group-by-length-without-the-cache",
         ("data.group_by_length=true", "data.cache=false"),
         "data.group_by_length=true needs data.cache=true",

@@ -16,7 +16,7 @@ from PIL import Image
 from launcher.data import Collator, ConversationDataset, add_dummy_image
 from launcher.data_cache import CachedCollator, CachedDataset, RecordEncoder, ensure_cache
 from launcher.errors import LauncherError
-from launcher.formats import BadRecord, ReadOptions, read_records
+from launcher.formats import BadRecordError, ReadOptions, read_records
 from launcher.models import TINY_ARCHITECTURES, build_tiny_model_dir, load_model_and_processor
 from tests.test_data import VOCABULARY
 from tests.test_models import SIZES
@@ -98,6 +98,8 @@ def test_the_cache_is_reused_and_rebuilt_when_its_inputs_change(tmp_path, mixed_
     again = build(tmp_path, mixed_records, processor)
     assert not again.built and again.path == first.path
     assert build(tmp_path, mixed_records, processor, model="another").path != first.path
+    second_source = [{**r, "source": 1} for r in mixed_records]  # the same records, another mixture position
+    assert build(tmp_path, second_source, processor).path != first.path
     edited = [dict(r) for r in mixed_records]
     edited[0] = {**edited[0], "messages": [*edited[0]["messages"][:-1], {"role": "assistant", "content": []}]}
     assert build(tmp_path, edited, processor).path != first.path
@@ -130,7 +132,8 @@ def test_undecodable_images_are_skipped_while_building_or_stop_it(tmp_path, mixe
     info = build(tmp_path, records, processor, on_bad_record="skip")
     assert (info.records, info.skipped) == (11, 1)
     assert CachedDataset(info.path).ids == [r["id"] for r in records if r["id"] != "5"]
-    with pytest.raises(BadRecord, match=r"record 5: cannot decode image .*cut.png"):
+    assert CachedDataset(info.path).indices == [i for i in range(12) if i != 5]
+    with pytest.raises(BadRecordError, match=r"record 5: cannot decode image .*cut.png"):
         build(tmp_path / "strict", records, processor)
     assert not list((tmp_path / "strict" / "data_cache").iterdir())  # nothing half-built is left
     with pytest.raises(LauncherError, match="none of the 1 records could be decoded"):

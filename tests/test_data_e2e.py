@@ -192,7 +192,10 @@ def test_a_weighted_mixture_draws_by_weight_and_resumes_bitwise(run_train, isola
 
     saved = torch.load(run_dir / "checkpoints" / "step4" / "launcher_rank0.pt", weights_only=False)
     halfway = MixtureSampler([40, 12], [3, 1], num_replicas=1, rank=0, seed=0).source_counts(16)
-    assert saved["sources"] == {"main": halfway[0], "extra": halfway[1]}
+    assert saved["sources"] == {
+        "drawn": {"main": halfway[0], "extra": halfway[1]},
+        "records": {"main": 40, "extra": 12},
+    }
 
 
 # ----------------------------------------------------------------------------- ZeRO-3, mixed modalities

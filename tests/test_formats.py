@@ -12,7 +12,7 @@ from PIL import Image
 
 from launcher.data import ConversationDataset, load_records
 from launcher.errors import LauncherError
-from launcher.formats import ReadOptions, read_records, record_texts
+from launcher.formats import ReadOptions, looks_like_hub_id, read_records, record_texts
 
 
 def write_image(path: Path, size: tuple[int, int] = (32, 32), colour: str = "blue") -> str:
@@ -44,7 +44,7 @@ MULTI_TURN = {
         {"from": "gpt", "value": "square"},
     ],
 }
-TEXT = {"type": "text"}
+ASSISTANT = {"role": "assistant", "content": [{"type": "text", "text": "yes"}]}
 
 
 def read(path: Path, **options) -> tuple[list[dict], int, str]:
@@ -195,6 +195,37 @@ def test_one_messages_file_may_mix_string_and_typed_contents(tmp_path):
     assert records[2]["messages"][0]["content"] == [{"type": "image"}, {"type": "text", "text": "and this?"}]
 
 
+def test_typed_records_with_bad_content_are_bad_records(tmp_path):
+    rows = [
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "<image> what?"}]}, ASSISTANT]},
+        {"messages": [{"role": "user", "content": 5}, ASSISTANT]},
+        {"messages": [{"role": "user", "content": [{"type": "video", "video": "v.mp4"}]}, ASSISTANT]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "fine"}]}, ASSISTANT]},
+    ]
+    path = write_json(tmp_path / "typed.jsonl", rows, lines=True)
+    with pytest.raises(
+        LauncherError, match=r"record 0\): '<image>' in a text part; .* give each image as an image part"
+    ):
+        read(path)
+    records, skipped, fmt = read(path, on_bad_record="skip")
+    assert (len(records), skipped, fmt) == (1, 3, "messages")
+    with pytest.raises(LauncherError, match=r"record 1\): a message's 'content' must be a string or a list of parts"):
+        read(write_json(tmp_path / "five.jsonl", rows[3:] + rows[1:2], lines=True))
+
+
+def test_only_plausible_hub_ids_go_to_the_network(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    assert looks_like_hub_id("liuhaotian/LLaVA-Instruct-150K")
+    assert looks_like_hub_id("lmms-lab/LLaVA-OneVision-1.5-Data")  # dots are fine in hub names
+    for local in ("data/vqa_saved", "org/train.json", "org/train.parquet", "./org/name", "a/b/c", "name"):
+        assert not looks_like_hub_id(local), local  # "data" is a local folder: a typo, not a hub id
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert not looks_like_hub_id("liuhaotian/LLaVA-Instruct-150K")
+    with pytest.raises(LauncherError, match="cannot read the data file"):
+        read("liuhaotian/LLaVA-Instruct-150K")
+
+
 def test_format_is_detected_per_file_and_can_be_named(tmp_path):
     write_image(tmp_path / "a.png")
     path = write_json(tmp_path / "d.json", [llava()])
@@ -298,6 +329,12 @@ def bad_record_cases(tmp_path: Path) -> dict[str, tuple[dict, str]]:
         ),
         "unknown speaker": ({"image": "a.png", "conversations": [{"from": "bot", "value": "x"}]}, "unknown from 'bot'"),
         "not an object": (["a", "b"], "a record must be a JSON object"),
+        "a role that is not a string": (
+            {"image": "a.png", "conversations": [{"from": ["human"], "value": "<image>"}, one_image[1]]},
+            "unknown from ['human']",
+        ),
+        "a NUL byte in the image path": (llava(image="a\x00b.png"), "cannot be read (embedded null byte)"),
+        "a data URL that is not base64": (llava(image="data:image/png;base64,ü"), "data URL is not valid base64"),
     }
 
 

@@ -94,6 +94,23 @@ def test_a_hung_step_ends_the_rank_with_its_stacks_and_one_line(tmp_path, how):
     assert str(failed.value) == f"rank 0: {record['error']} (traceback: {run_dir / 'errors' / 'rank0.txt'})"
 
 
+def test_an_announcing_watchdog_prints_the_line_itself(tmp_path):
+    """Under SLURM no parent launcher reads errors/: the rank prints its one line before it ends."""
+    run_dir = tmp_path / "run"
+    script = _script(
+        tmp_path,
+        """
+        watchdog = StepWatchdog(run_dir, 2, 1, announce=True)
+        with watchdog.step(7):
+            time.sleep(60)
+        """,
+    )
+    done, _ = _run(script, str(run_dir))
+    assert done.returncode == TrainingFailed.exit_code
+    assert done.stderr.splitlines() == [f"error: rank 2: {_record(run_dir, 2)['error']}"]
+    assert "step 7 did not finish" in done.stderr
+
+
 def test_steps_that_finish_in_time_never_fire(tmp_path):
     """Many quick steps, a step that raises, and idle time between steps longer than the timeout."""
     run_dir = tmp_path / "run"
