@@ -543,6 +543,19 @@ def test_bad_input_is_one_clear_error(run_train, request, tmp_path, case):
         assert not run_dir.exists()
 
 
+def _train_with_file_limit(args: list[str], env: dict[str, str], limit: int) -> subprocess.CompletedProcess[str]:
+    """`python train.py ARGS` whose files may not grow past `limit` bytes (a real write error)."""
+    return subprocess.run(
+        [sys.executable, "train.py", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=limit_file_size(limit),
+    )
+
+
 @pytest.mark.slow  # it trains: 10 s on a quiet 2-core machine, 30 s on a busy one
 def test_a_failed_checkpoint_write_is_one_line_and_leaves_nothing_that_looks_complete(isolated_env, tmp_path):
     """A real write error while saving: files may grow to 2 MiB, the checkpoint (about 3.5 MiB) cannot.
@@ -550,14 +563,8 @@ def test_a_failed_checkpoint_write_is_one_line_and_leaves_nothing_that_looks_com
     Everything written before the save (the cached tiny model: about 1.2 MiB) stays under the limit;
     the data cache (49 MB of pixels) is not used here: its own write failure is the next test."""
     run_dir = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "train.py", *COMMON, "train.save_every=0", "data.cache=false", f"hydra.run.dir={run_dir}"],
-        cwd=ROOT,
-        env=isolated_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        preexec_fn=limit_file_size(2 * 2**20),
+    result = _train_with_file_limit(
+        [*COMMON, "train.save_every=0", "data.cache=false", f"hydra.run.dir={run_dir}"], isolated_env, 2 * 2**20
     )
     message = f"cannot write checkpoint {run_dir / 'checkpoints' / 'step2'} ("
     line = assert_one_clear_error(result, message, 1)
@@ -566,19 +573,12 @@ def test_a_failed_checkpoint_write_is_one_line_and_leaves_nothing_that_looks_com
     assert (run_dir / "checkpoints" / "step2").is_dir()  # the partial files stay, never resumed from
 
 
+@pytest.mark.slow  # it builds a tiny model and the built-in set first: 10-20 s
 def test_a_failed_data_cache_write_is_one_line_and_leaves_no_cache_that_looks_complete(isolated_env, tmp_path):
     """Files may grow to 2 MiB; the data cache of 300 built-in records holds 3.5 MiB of pixels."""
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
     args = [*COMMON, "data.n_train=300", "data.n_eval=20", f"cache_dir={cache}", f"hydra.run.dir={run_dir}"]
-    result = subprocess.run(
-        [sys.executable, "train.py", *args],
-        cwd=ROOT,
-        env=isolated_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        preexec_fn=limit_file_size(2 * 2**20),
-    )
+    result = _train_with_file_limit(args, isolated_env, 2 * 2**20)
     line = assert_one_clear_error(result, f"cannot write the data cache under {cache / 'data_cache'} (", 1)
     assert "data.cache=false" in line
     assert not list((cache / "data_cache").rglob("meta.json"))  # nothing that looks complete

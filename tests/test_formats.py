@@ -13,6 +13,7 @@ from PIL import Image
 from launcher.data import ConversationDataset, load_records
 from launcher.errors import LauncherError
 from launcher.formats import ReadOptions, looks_like_hub_id, read_records, record_texts
+from tests.test_data import MULTI_TURN
 
 
 def write_image(path: Path, size: tuple[int, int] = (32, 32), colour: str = "blue") -> str:
@@ -34,16 +35,6 @@ def llava(image="a.png", answer="blue square", **extra) -> dict:
     return {"conversations": turns, **extra} if image is None else {"image": image, "conversations": turns, **extra}
 
 
-MULTI_TURN = {
-    "id": "multi",
-    "image": "a.png",
-    "conversations": [
-        {"from": "human", "value": "<image>\nwhat colour?"},
-        {"from": "gpt", "value": "blue"},
-        {"from": "human", "value": "and the shape?"},
-        {"from": "gpt", "value": "square"},
-    ],
-}
 ASSISTANT = {"role": "assistant", "content": [{"type": "text", "text": "yes"}]}
 
 
