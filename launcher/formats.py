@@ -226,10 +226,8 @@ def detect_format(raw: Any, where: str) -> str:
     if isinstance(raw, dict):
         if "conversations" in raw:
             return "llava"
-        messages = raw.get("messages")
-        if isinstance(messages, list):
-            typed = any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages)
-            return "messages" if typed else "sharegpt"
+        if isinstance(raw.get("messages"), list):
+            return "messages" if _has_typed_content(raw) else "sharegpt"
     keys = ", ".join(repr(k) for k in list(raw)[:6]) if isinstance(raw, dict) else type(raw).__name__
     raise BadRecordError(
         f"{where}: not a record of a known format (found {keys}): a record needs 'conversations' (llava) or "
