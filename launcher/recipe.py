@@ -45,8 +45,15 @@ log = logging.getLogger("launcher")
 # Test hook: "RANK:STEP" makes that rank raise at that step (to test how a crashed rank is reported);
 # "RANK:STEP:hang" makes it stop answering the others there (to test the step watchdog).
 FAULT_ENV = "LAUNCHER_TEST_FAULT"
-# What a rank's error says when a collective broke: the other side of it failed or ran something else.
-_BROKEN_COLLECTIVE = ("Connection reset by peer", "Connection closed by peer", "collective mismatch")
+# Signs that this rank failed because another one did. The last: when a rank dies outright (gloo
+# aborts the process on a size mismatch), torchrun terminates the others, and a rank may notice its
+# DataLoader worker's SIGTERM before the broken connection.
+_BROKEN_COLLECTIVE = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "collective mismatch",
+    "is killed by signal: Terminated",
+)
 
 
 # ----------------------------------------------------------------------------- the rank
@@ -246,6 +253,18 @@ def train(cfg: DictConfig, run_dir: Path) -> Summary:
             torch.distributed.destroy_process_group()
 
 
+def step_failure(message: str, step: int, world_size: int, zero_stage: int | None) -> str:
+    """The line for a rank that failed inside a train step: the step, and the likely cause where the
+    error is a sign that another rank failed first."""
+    message = f"step {step}: {message}"
+    if world_size > 1 and any(sign in message for sign in _BROKEN_COLLECTIVE):
+        message += " (another rank failed or ran a different collective; see its output above and errors/"
+        if zero_stage == 3:
+            message += "; at ZeRO-3, ranks whose batches differ in modality do this: keep data.modality_guard on"
+        message += ")"
+    return message
+
+
 def _failed(
     err: BaseException, run_dir: RunDir, rank: int, summary: Summary, session: Session | None, *, resuming: bool
 ) -> BaseException:
@@ -255,12 +274,7 @@ def _failed(
     if not isinstance(err, LauncherError):
         message = f"{type(err).__name__}: {message}"
     if session is not None and session.in_step is not None:
-        message = f"step {session.in_step}: {message}"
-        if any(sign in message for sign in _BROKEN_COLLECTIVE):
-            message += " (a collective broke: another rank failed or ran a different collective; see errors/"
-            if session.summary.zero_stage == 3:
-                message += "; at ZeRO-3, ranks whose batches differ in modality do this: keep data.modality_guard on"
-            message += ")"
+        message = step_failure(message, session.in_step, session.summary.world_size, session.summary.zero_stage)
     started = session.started if session else time.time()
     summary.status, summary.error, summary.wall_s = status, message, round(time.time() - started, 3)
     exit_code = err.exit_code if isinstance(err, LauncherError) else 1

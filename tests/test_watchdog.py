@@ -211,3 +211,26 @@ def test_a_rank_stuck_in_a_gloo_collective_is_ended(tmp_path):
     assert "all_reduce" in stacks.read_text() and "collective_step" in stacks.read_text()
     assert _record(run_dir, 0)["error"].startswith("step 5 did not finish within dist.step_timeout_s=2 s")
     assert not (run_dir / "errors" / "rank1.json").exists()
+
+
+# ----------------------------------------------------------------------------- a rank's failure line
+WORKER_TERMINATED = "RuntimeError: DataLoader worker (pid 10530) is killed by signal: Terminated."
+RESET = "RuntimeError: [pair.cc:537] Read error [127.0.0.1]:41101: Connection reset by peer."
+
+
+@pytest.mark.parametrize("error", [RESET, WORKER_TERMINATED])
+def test_a_rank_failing_because_another_did_says_so_and_names_the_zero3_cause(error):
+    """gloo aborts a rank on a mismatched gather; the other then sees either the broken connection or,
+    when torchrun's SIGTERM reaches its DataLoader worker first, a terminated worker: both get the hint."""
+    from launcher.recipe import step_failure
+
+    line = step_failure(error, 1, world_size=2, zero_stage=3)
+    assert line.startswith("step 1: ") and "another rank failed" in line and "keep data.modality_guard on" in line
+    assert "modality_guard" not in step_failure(error, 1, world_size=2, zero_stage=2)
+    assert step_failure(error, 4, world_size=1, zero_stage=3) == f"step 4: {error}"  # no other rank to blame
+
+
+def test_an_ordinary_step_failure_only_gains_its_step():
+    from launcher.recipe import step_failure
+
+    assert step_failure("ValueError: bad", 7, world_size=2, zero_stage=3) == "step 7: ValueError: bad"
