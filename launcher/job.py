@@ -208,7 +208,7 @@ def plan_job(
 
 # ----------------------------------------------------------------------------- what-if variants
 # The groups a variant sets; the user's own choices of these are replaced, every other override kept.
-_VARIANT_KEYS = (
+VARIANT_KEYS = (
     "deepspeed",
     "zero",
     "offload",
@@ -223,5 +223,5 @@ _VARIANT_KEYS = (
 def variant_overrides(overrides: Sequence[str], preset: str, dtype: str) -> list[str]:
     """The command line of `train.py OVERRIDES` with `deepspeed=PRESET precision=DTYPE` instead of the
     user's own ZeRO, offload and precision choices."""
-    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~").split("@", 1)[0] not in _VARIANT_KEYS]
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~").split("@", 1)[0] not in VARIANT_KEYS]
     return [*kept, f"deepspeed={preset}", f"precision={dtype}"]

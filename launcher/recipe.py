@@ -43,8 +43,11 @@ from launcher.watchdog import StepWatchdog
 log = logging.getLogger("launcher")
 
 # Test hook: "RANK:STEP" makes that rank raise at that step (to test how a crashed rank is reported);
-# "RANK:STEP:hang" makes it stop answering the others there (to test the step watchdog).
+# "RANK:STEP:hang" makes it stop answering the others there (to test the step watchdog);
+# "RANK:STEP:alloc=MIB" makes it hold MIB MiB more from there on (to test a memory budget).
 FAULT_ENV = "LAUNCHER_TEST_FAULT"
+# GiB a rank's CUDA allocator may hold (set by launcher.tune for its candidates on a GPU).
+CUDA_MEMORY_CAP_ENV = "LAUNCHER_CUDA_MEMORY_GB"
 # Signs that this rank failed because another one did. The last: when a rank dies outright (gloo
 # aborts the process on a size mismatch), torchrun terminates the others, and a rank may notice its
 # DataLoader worker's SIGTERM before the broken connection.
@@ -88,6 +91,10 @@ def init_distributed(cfg: DictConfig) -> Rank:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
+        cap_gb = os.environ.get(CUDA_MEMORY_CAP_ENV)
+        if cap_gb:  # the autotuner's budget on a GPU: the allocator refuses past it (a real CUDA OOM)
+            total = torch.cuda.get_device_properties(local_rank).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, float(cap_gb) * 2**30 / total), local_rank)
     return Rank(torch.distributed.get_rank(), torch.distributed.get_world_size(), device)
 
 
@@ -665,12 +672,18 @@ def nonfinite_action(loss: float, fp16: bool, in_a_row: int, allowed: int) -> st
     return "skip" if fp16 and in_a_row <= allowed else "stop"
 
 
+_BALLAST: list[torch.Tensor] = []  # memory held by the "alloc" fault, for the rest of the run
+
+
 def _inject_fault(rank: int, step: int) -> None:
     rank_text, step_text, *how = os.environ.get(FAULT_ENV, "-1:-1").split(":")
     if (int(rank_text), int(step_text)) != (rank, step):
         return
     if how == ["hang"]:
         time.sleep(10**6)  # the other ranks wait in this step's all-reduce
+    if how and how[0].startswith("alloc="):  # hold that many MiB, touched (resident), and go on
+        _BALLAST.append(torch.ones(int(how[0].split("=", 1)[1]) * 2**20, dtype=torch.uint8))
+        return
     raise RuntimeError(f"fault injected by {FAULT_ENV} on rank {rank} at step {step}")
 
 

@@ -50,6 +50,8 @@ Method = _choice("Method", ("full", "lora", "qlora"))
 AttnImplementation = _choice("AttnImplementation", ("auto", "eager", "sdpa", "flash_attention_2"))
 ShapesTask = _choice("ShapesTask", ("shape", "colour"))
 QuantType = _choice("QuantType", ("nf4", "fp4"))
+# The presets in conf/deepspeed (launcher.memory.PRESETS holds what each selects; a test keeps them equal).
+DeepSpeedPreset = _choice("DeepSpeedPreset", ("z0", "z1", "z2", "z3", "z2_offload", "z3_offload", "z3_nvme"))
 # The metric a sweep optimises, and where summary.json keeps it.
 OBJECTIVES = {
     "eval/loss": "eval_loss",
@@ -302,6 +304,31 @@ class PlanConfig:
 
 
 @dataclass
+class TuneConfig:
+    """Autotuner (`python -m launcher.tune`): the search space, the memory budget, the measurement."""
+
+    # The space; each list null: its default (docs/tune.md). Micro batch sizes keep the global batch.
+    presets: list[DeepSpeedPreset] | None = None  # null: every preset but z3_nvme (which needs offload.nvme_path)
+    precisions: list[PlannedPrecision] | None = None  # null: those the device supports
+    micro_batch_sizes: list[int] | None = None  # null: half, once and twice train.micro_batch_size
+    gradient_checkpointing: list[bool] = field(default_factory=lambda: [False, True])
+    attn_implementations: list[AttnImplementation] | None = None  # null: model.attn_implementation only
+    # Memory one rank may use, in GiB: a GPU's device memory (CUDA out-of-memory also ends a candidate);
+    # on a CPU, a rank's peak resident set size, enforced by the tuner. null: the planner's usable memory.
+    memory_gb: float | None = None
+    margin: float = 0.1  # prune a candidate predicted above the budget by more than this fraction
+    warmup_steps: int = 2  # steps run before measuring (allocators, JIT, first gathers)
+    measure_steps: int = 4  # steps measured per candidate
+    prune: bool = True  # skip candidates predicted not to fit (false: run every one, an exhaustive sweep)
+    early_skip: bool = True  # stop a candidate that a measured one beats on speed and on memory
+    skip_margin: float = 0.1  # ... by more than this fraction of speed
+    loss_tolerance: float = 1e-4  # first losses (fp32) may differ from the reference by this (relative)
+    low_precision_loss_tolerance: float = 2e-2  # ... in bf16/fp16
+    candidate_timeout_s: float = 900  # a candidate running longer fails
+    dir: str | None = None  # null: outputs/tune/DATE/TIME
+
+
+@dataclass
 class Config:
     """The root of the composed config."""
 
@@ -316,6 +343,7 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
     # Any DeepSpeed key the groups do not model, deep-merged last; its keys are checked.
     deepspeed_extra: dict[str, Any] = field(default_factory=dict)
     # An existing DeepSpeed JSON to start from ("auto"/null values are filled by the composition).

@@ -477,10 +477,32 @@ class WandbRun:
         except Exception as exc:
             self._disable("logging metrics", exc)
 
-    def finish(self, summary: Mapping[str, Any] | None = None, exit_code: int = 0) -> None:
+    def log_table(self, key: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        """Log a W&B Table (the autotuner's candidates)."""
+        if self._run is None:
+            return
+        try:
+            import wandb
+
+            self._run.log({key: wandb.Table(columns=list(columns), data=[list(row) for row in rows])})
+        except Exception as exc:
+            self._disable("logging a table", exc)
+
+    def log_image(self, key: str, path: Path) -> None:
+        """Log a picture file (the autotuner's throughput against memory)."""
+        if self._run is None:
+            return
+        try:
+            import wandb
+
+            self._run.log({key: wandb.Image(str(path))})
+        except Exception as exc:
+            self._disable("logging an image", exc)
+
+    def finish(self, summary: Mapping[str, Any] | None = None, exit_code: int = 0, *, hint: bool = True) -> None:
         """Put the job's summary figures (summary.json's keys) into the run summary and finish.
 
-        Offline, prints one line saying how to upload the run. Safe to call twice.
+        Offline, prints one line saying how to upload the run (unless `hint` is false). Safe to call twice.
         """
         if self._run is None:
             return
@@ -493,7 +515,7 @@ class WandbRun:
         except Exception as exc:
             log.warning("W&B finish failed: %s", _one_line(exc))
             return
-        if self.mode == "offline" and self.sync_dir is not None:
+        if hint and self.mode == "offline" and self.sync_dir is not None:
             print(self.sync_hint(), flush=True)
 
     def sync_hint(self) -> str:
