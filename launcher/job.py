@@ -20,6 +20,10 @@ from omegaconf import DictConfig, OmegaConf
 from launcher.ds_config import Device, build_ds_config, explicit_groups_from_overrides, precision_of
 from launcher.errors import LauncherError
 
+# GiB a rank's CUDA allocator may hold: launcher.tune sets it for its candidates on a GPU, so a
+# candidate over the budget meets a real CUDA out-of-memory error (launcher.recipe applies it).
+CUDA_MEMORY_CAP_ENV = "LAUNCHER_CUDA_MEMORY_GB"
+
 
 @dataclass(frozen=True)
 class HydraJob:

@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher import checkpoint, credentials
 from launcher.errors import LauncherError, TrainingFailed, one_line, record_rank_error
-from launcher.job import plain
+from launcher.job import CUDA_MEMORY_CAP_ENV, plain
 from launcher.rundir import RunDir, Summary, read_json
 from launcher.schema import OBJECTIVES
 from launcher.watchdog import StepWatchdog
@@ -46,8 +46,6 @@ log = logging.getLogger("launcher")
 # "RANK:STEP:hang" makes it stop answering the others there (to test the step watchdog);
 # "RANK:STEP:alloc=MIB" makes it hold MIB MiB more from there on (to test a memory budget).
 FAULT_ENV = "LAUNCHER_TEST_FAULT"
-# GiB a rank's CUDA allocator may hold (set by launcher.tune for its candidates on a GPU).
-CUDA_MEMORY_CAP_ENV = "LAUNCHER_CUDA_MEMORY_GB"
 # Signs that this rank failed because another one did. The last: when a rank dies outright (gloo
 # aborts the process on a size mismatch), torchrun terminates the others, and a rank may notice its
 # DataLoader worker's SIGTERM before the broken connection.

@@ -317,7 +317,7 @@ class TuneConfig:
     # on a CPU, a rank's peak resident set size, enforced by the tuner. null: the planner's usable memory.
     memory_gb: float | None = None
     margin: float = 0.1  # prune a candidate predicted above the budget by more than this fraction
-    warmup_steps: int = 2  # steps run before measuring (allocators, JIT, first gathers)
+    warmup_steps: int = 1  # steps run before measuring: the first is 15-35% slower, the second is not (docs/tune.md)
     measure_steps: int = 4  # steps measured per candidate
     prune: bool = True  # skip candidates predicted not to fit (false: run every one, an exhaustive sweep)
     early_skip: bool = True  # stop a candidate that a measured one beats on speed and on memory

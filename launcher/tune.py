@@ -47,6 +47,7 @@ from typing import Any
 
 from launcher import credentials
 from launcher.errors import Interrupted, LauncherError, one_line
+from launcher.job import CUDA_MEMORY_CAP_ENV
 
 MiB = 2**20
 GiB = 2**30
@@ -183,6 +184,7 @@ class Result:
     losses: list[float] = field(default_factory=list)  # train/loss of steps 1, 2, ...
     steps: int = 0  # measured steps behind the throughput
     wall_s: float | None = None
+    cpu_s: float | None = None  # CPU time of its ranks
     run_dir: str | None = None
     ds_config: dict[str, Any] | None = None
 
@@ -307,22 +309,35 @@ def ordered(results: Sequence[Result]) -> list[Result]:
 COMPONENTS = ("model states", "activations", "step+buffers")
 
 
+# The components fitted apart, or, when the measured candidates vary them together (e.g. model states
+# and step buffers both change only with the preset), merged: the first grouping the data can tell apart.
+GROUPINGS = (
+    (("model states",), ("activations",), ("step+buffers",)),
+    (("model states", "step+buffers"), ("activations",)),
+    (("model states", "activations", "step+buffers"),),
+)
+
+
 def planner_fit(results: Sequence[Result]) -> tuple[dict[str, float], float] | None:
     """measured peak ~ baseline + sum of ratio x planned component, least squares over the measured
-    candidates: (ratio per component, baseline bytes); None when they cannot tell components apart
-    (fewer candidates than unknowns, or components that vary together)."""
+    candidates: (ratio per component, or per merged components "a + b", baseline bytes); None when
+    even the total cannot be told from the baseline (fewer than 3 candidates, or one planned total)."""
     import numpy as np
 
     rows = [r for r in results if r.measured and r.peak is not None and r.components]
-    if len(rows) < len(COMPONENTS) + 2:
-        return None
-    design = np.array([[*(r.components[c] for c in COMPONENTS), 1.0] for r in rows], dtype=float) / MiB
-    design[:, -1] = 1.0
     target = np.array([r.peak for r in rows], dtype=float) / MiB
-    if np.linalg.matrix_rank(design) < design.shape[1]:
-        return None
-    solution, *_ = np.linalg.lstsq(design, target, rcond=None)
-    return dict(zip(COMPONENTS, (float(x) for x in solution[:-1]), strict=True)), float(solution[-1]) * MiB
+    for grouping in GROUPINGS:
+        if len(rows) < len(grouping) + 2:  # at least one candidate more than unknowns
+            continue
+        design = np.array(
+            [[*(sum(r.components[c] for c in group) / MiB for group in grouping), 1.0] for r in rows], dtype=float
+        )
+        if np.linalg.matrix_rank(design) < design.shape[1]:
+            continue
+        solution, *_ = np.linalg.lstsq(design, target, rcond=None)
+        names = [" + ".join(group) for group in grouping]
+        return dict(zip(names, (float(x) for x in solution[:-1]), strict=True)), float(solution[-1]) * MiB
+    return None
 
 
 def planner_lines(results: Sequence[Result]) -> list[str]:
@@ -331,8 +346,8 @@ def planner_lines(results: Sequence[Result]) -> list[str]:
     fit = planner_fit(results)
     if fit is None:
         lines.append(
-            "measured/planned per component: not separable from these candidates (too few measured, or "
-            "their components vary together); per candidate below"
+            "measured/planned per component: not separable from these candidates (fewer than 3 measured, or "
+            "all planned alike); per candidate below"
         )
     else:
         ratios, baseline = fit
@@ -367,6 +382,8 @@ CSV_COLUMNS = (
     "planned_mib",
     "measured_over_planned",
     "measured_steps",
+    "wall_s",
+    "rank_cpu_s",
     "first_loss",
     "overrides",
     "note",
@@ -389,6 +406,8 @@ def table_rows(results: Sequence[Result], global_batch: int) -> list[dict[str, A
                 "planned_mib": None if r.planned is None else round(r.planned / MiB, 1),
                 "measured_over_planned": round(r.peak / r.planned, 3) if r.peak and r.planned else None,
                 "measured_steps": r.steps,
+                "wall_s": r.wall_s,
+                "rank_cpu_s": r.cpu_s,
                 "first_loss": r.losses[0] if r.losses else None,
                 "overrides": " ".join(r.candidate.overrides(global_batch)),
                 "note": r.note,
@@ -441,6 +460,7 @@ class Tuning:
     wall_s: float | None = None
     best_check: str = ""
     device_kind: str = "cpu"
+    cpu_s: float | None = None  # the tuner's own CPU time and its candidates' ranks'
 
     def command_line(self, result: Result) -> str:
         return " ".join(["python train.py", *self.base, *result.candidate.overrides(self.global_batch)])
@@ -459,7 +479,7 @@ def report(t: Tuning) -> str:
         f"budget: {t.budget / MiB:.0f} MiB per rank ({t.budget_source})",
         f"candidates: {len(t.results)} ("
         + ", ".join(f"{n} {status}" for status, n in counts.items() if n)
-        + f"); tuning took {t.wall_s or 0:.0f} s",
+        + f"); tuning took {t.wall_s or 0:.0f} s ({t.cpu_s or 0:.0f} CPU s: the tuner and the candidates' ranks)",
     ]
     lines += [f"left out: {line}" for line in t.left_out]
     lines.append("")
@@ -590,6 +610,9 @@ def write_outputs(t: Tuning) -> None:
     results = [{**r.__dict__, "candidate": r.candidate.__dict__, "name": r.name} for r in t.results]
     _write_atomic(t.directory / "results.json", json.dumps(results, indent=1, default=str))
     best = pick(t.results)
+    totals = {"wall_s": t.wall_s, "cpu_s": t.cpu_s, "budget_bytes": t.budget, "global_batch": t.global_batch,
+              "world_size": t.world_size, "pick": best.name if best else None, "best_check": t.best_check}  # fmt: skip
+    _write_atomic(t.directory / "tuning.json", json.dumps(totals, indent=1))
     if best is not None:
         (t.directory / "experiment").mkdir(exist_ok=True)
         _write_atomic(t.directory / "experiment" / "best.yaml", best_yaml(t, best))
@@ -606,6 +629,7 @@ class Watch:
     """What the tuner has seen of a running candidate."""
 
     rank_peaks: dict[int, int] = field(default_factory=dict)  # pid -> peak RSS
+    rank_cpu: dict[int, float] = field(default_factory=dict)  # pid -> CPU seconds (user + system) so far
     records: list[dict[str, Any]] = field(default_factory=list)  # metrics.jsonl rows
 
     @property
@@ -626,7 +650,7 @@ def rank_processes(root_pid: int) -> list[Any]:
     workers = {}
     for proc in tree:
         try:
-            if "launcher.worker" in " ".join(proc.cmdline()):
+            if _runs_module(proc.cmdline(), "launcher.worker"):
                 workers[proc.pid] = proc
         except psutil.Error:
             continue
@@ -638,6 +662,15 @@ def rank_processes(root_pid: int) -> list[Any]:
         except psutil.Error:
             continue
     return ranks
+
+
+def _runs_module(cmdline: Sequence[str], module: str) -> bool:
+    """Whether a command line runs `python ... -m MODULE` (torchrun's own `-m launcher.torchrun ...
+    -m launcher.worker` runs launcher.torchrun: its first -m decides)."""
+    for index, arg in enumerate(cmdline[:-1]):
+        if arg == "-m":
+            return cmdline[index + 1] == module
+    return False
 
 
 def kill_ranks(root_pid: int) -> None:
@@ -767,12 +800,14 @@ def run_candidate(t: Tuning, result: Result, tune_cfg: Any) -> None:
         offset = 0
         while not done.wait(0.05):
             # A CPU's memory is the ranks' resident set; a GPU's, what each rank reports per step.
-            for proc in rank_processes(os.getpid()) if t.device_kind == "cpu" else ():
+            for proc in rank_processes(os.getpid()):
                 try:
-                    rss = proc.memory_info().rss
+                    rss, cpu = proc.memory_info().rss, proc.cpu_times()
                 except Exception:
                     continue
-                watch.rank_peaks[proc.pid] = max(rss, watch.rank_peaks.get(proc.pid, 0))
+                watch.rank_cpu[proc.pid] = cpu.user + cpu.system
+                if t.device_kind == "cpu":
+                    watch.rank_peaks[proc.pid] = max(rss, watch.rank_peaks.get(proc.pid, 0))
             new, offset = _read_new_records(run_dir / "metrics.jsonl", offset)
             watch.records += new
             if decided:
@@ -788,7 +823,7 @@ def run_candidate(t: Tuning, result: Result, tune_cfg: Any) -> None:
     env_before = dict(os.environ)
     os.environ.update(_candidate_env(candidate.name))
     if t.device_kind == "cuda":  # the allocator stops at the budget: exceeding it is a real CUDA OOM
-        os.environ["LAUNCHER_CUDA_MEMORY_GB"] = f"{t.budget / GiB:.3f}"
+        os.environ[CUDA_MEMORY_CAP_ENV] = f"{t.budget / GiB:.3f}"
     try:
         with _output_to(log_file):
             run_job(cfg, job)
@@ -800,6 +835,7 @@ def run_candidate(t: Tuning, result: Result, tune_cfg: Any) -> None:
     new, _ = _read_new_records(run_dir / "metrics.jsonl", 0)
     watch.records = new
     result.wall_s = round(time.time() - started, 1)
+    result.cpu_s = round(sum(watch.rank_cpu.values()), 1)  # the ranks' (sampled every 50 ms)
     by_step = sorted(watch.records, key=lambda r: r["step"])
     result.losses = [float(r["train/loss"]) for r in by_step if "train/loss" in r]
     result.peak = watch.peak or None
@@ -837,8 +873,10 @@ def _verdict(t: Tuning, watch: Watch, new: list[dict[str, Any]], started: float,
         return ("failed", f"did not finish within tune.candidate_timeout_s={tc.candidate_timeout_s:g} s")
     if new and tc.early_skip:
         so_far = measure(watch.records, warmup, t.global_batch)
-        if so_far is not None and so_far[2] >= 2:
-            better = dominating(so_far[0], watch.peak, t.results, float(tc.skip_margin))
+        if so_far is not None:
+            # One measured step is noisier than two: it must lose by twice the margin.
+            margin = float(tc.skip_margin) * (2 if so_far[2] == 1 else 1)
+            better = dominating(so_far[0], watch.peak, t.results, margin)
             if better is not None:
                 return (
                     "dominated",
@@ -976,12 +1014,20 @@ def tune(overrides: Sequence[str], *, echo: Callable[[str], None] = print) -> Tu
         echo(f"[{index}/{len(t.results)}] {describe(result)}")
         write_outputs(t)
     t.wall_s = round(time.time() - t.started, 1)
+    t.cpu_s = round(sum(r.cpu_s or 0 for r in t.results) + _own_cpu_s(), 1)
     best = pick(t.results)
     if best is not None:
         write_outputs(t)
         t.best_check = check_best(t, best)
     write_outputs(t)
     return t
+
+
+def _own_cpu_s() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def describe(result: Result) -> str:

@@ -165,7 +165,21 @@ def test_the_planner_fit_recovers_ratios_per_component():
     assert baseline == pytest.approx(400 * MiB, rel=1e-6)
     lines = tune.planner_lines(rows)
     assert "activations x2.00 (off > 10%)" in lines[0] and "model states x1.00," in lines[0]
-    assert tune.planner_fit(rows[:3]) is None  # fewer candidates than unknowns + 1
+    assert tune.planner_fit(rows[:2]) is None  # 2 candidates cannot tell a ratio from the baseline
+
+
+def test_components_that_vary_together_are_fitted_together():
+    """Model states and step buffers change only with the preset: fitted as one ratio."""
+    rows = []
+    for i, (states, acts) in enumerate([(100, 10), (100, 40), (300, 10), (300, 80), (200, 30)]):
+        r = result(micro=4 + i, peak=0)
+        r.components = {"model states": states * MiB, "activations": acts * MiB, "step+buffers": states // 10 * MiB}
+        r.planned = sum(r.components.values())
+        r.peak = int((400 + 1.5 * (states + states // 10) + 1.0 * acts) * MiB)
+        rows.append(r)
+    ratios, baseline = tune.planner_fit(rows)
+    assert ratios == pytest.approx({"model states + step+buffers": 1.5, "activations": 1.0}, abs=1e-6)
+    assert baseline == pytest.approx(400 * MiB, rel=1e-6)
 
 
 def test_throughput_leaves_the_warm_up_steps_out():
@@ -303,3 +317,11 @@ def _csv(path: Path) -> list[dict[str, str]]:
 
     with path.open() as handle:
         return list(csv.DictReader(handle))
+
+
+def test_the_ranks_are_told_from_their_launchers_and_their_dataloader_workers():
+    rank = ["/v/bin/python", "-u", "-m", "launcher.worker", "/runs/a"]
+    agent = ["/v/bin/python", "-m", "launcher.torchrun", "--nproc-per-node=2", "-m", "launcher.worker", "/runs/a"]
+    assert tune._runs_module(rank, "launcher.worker")
+    assert not tune._runs_module(agent, "launcher.worker")
+    assert not tune._runs_module(["python", "train.py", "-m"], "launcher.worker")
