@@ -232,7 +232,7 @@ def data_sources(data: Any, cache: Path, *, decode: bool = False) -> tuple[list[
     """The training sources (one, or data.sources) and the held-out source of the `data` config."""
     if data.synthetic:
         train_file, eval_file, image_root = prepare_data(data, cache)
-        options = _read_options(data, cache, image_root=image_root, decode=decode)
+        options = _read_options(data, cache, image_root=image_root, decode=decode, check_headers=False)
         return [Source(str(data.name), str(train_file), 1.0, options)], Source("eval", str(eval_file), 1.0, options)
     if data.image_root and not Path(str(data.image_root)).expanduser().is_dir():
         raise LauncherError(f"data.image_root={data.image_root}: no such directory")
@@ -264,8 +264,11 @@ def data_sources(data: Any, cache: Path, *, decode: bool = False) -> tuple[list[
     return sources, eval_source
 
 
-def _read_options(data: Any, cache: Path, *, image_root: Any, decode: bool, fmt: Any = None) -> ReadOptions:
+def _read_options(
+    data: Any, cache: Path, *, image_root: Any, decode: bool, fmt: Any = None, check_headers: bool = True
+) -> ReadOptions:
     return ReadOptions(
+        check_headers=check_headers,
         format=str(fmt or data.get("format") or "auto"),
         image_root=Path(str(image_root)).expanduser() if image_root else None,
         on_bad_record=str(data.on_bad_record),

@@ -62,6 +62,9 @@ class ReadOptions:
     on_bad_record: str = "error"
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     decode: bool = False  # decode every image fully while reading (finds truncated files)
+    # Open each image's header (format, pixel limit). Off for the built-in set, whose images this
+    # project wrote itself (atomically): 0.4 s of every read of its 4200 images, for nothing.
+    check_headers: bool = True
     split: str = "train"  # the split of a `datasets` folder or hub id
     cache_dir: Path | None = None  # where `datasets` keeps its Arrow files
 
@@ -437,7 +440,8 @@ def check_image(source: Any, where: str, image_root: Path, options: ReadOptions)
         raise BadRecordError(f"{where}: image {path} is a directory, not an image file")
     if info.st_size == 0:
         raise BadRecordError(f"{where}: image file {path} is empty (0 bytes)")
-    _check_pixels(path, f"image file {path}", where, options)
+    if options.check_headers or options.decode:
+        _check_pixels(path, f"image file {path}", where, options)
     return str(path)
 
 

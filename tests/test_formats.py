@@ -355,6 +355,25 @@ def test_a_symlinked_image_folder_inside_the_root_is_fine(tmp_path):
     assert read(path)[0][0]["images"] == [str(tmp_path / "root" / "images" / "a.png")]
 
 
+def test_image_headers_are_opened_for_user_data_but_not_for_the_built_in_set(tmp_path):
+    """The built-in set's images are written by the project itself: its reads skip the header check
+    (0.4 s of 4200 images per read); a user's file is always checked; decode=True always decodes."""
+    (tmp_path / "text.png").write_text("not an image")
+    path = write_json(tmp_path / "d.json", [llava(image="text.png")])
+    with pytest.raises(LauncherError, match=r"text\.png cannot be decoded as an image"):
+        read(path)
+    assert read(path, check_headers=False)[0][0]["images"] == [str(tmp_path / "text.png")]
+    with pytest.raises(LauncherError, match=r"text\.png cannot be decoded as an image"):
+        read(path, check_headers=False, decode=True)
+    from launcher.data import data_sources
+    from launcher.plan import compose
+
+    sources, eval_source = data_sources(compose([]).data, tmp_path / "cache")
+    assert not sources[0].options.check_headers and not eval_source.options.check_headers
+    user = compose(["data=llava_json", f"data.path={path}"]).data
+    assert data_sources(user, tmp_path / "cache")[0][0].options.check_headers
+
+
 def test_a_truncated_image_is_found_by_decoding(tmp_path):
     """The header reads fine; only decoding the pixels fails: `decode=True` finds it while reading."""
     write_image(tmp_path / "whole.png", size=(64, 64))
