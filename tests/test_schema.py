@@ -33,6 +33,13 @@ def _choice_fields() -> list[tuple[str, type[enum.Enum]]]:
     return found
 
 
+def _is_list(key: str) -> bool:
+    """Whether the field holds a list of choices (`plan.precisions=[bf16]`)."""
+    group, _, name = key.partition(".")
+    hint = typing.get_type_hints(typing.get_type_hints(schema.Config)[group]).get(name) if name else None
+    return any(typing.get_origin(arg) is list for arg in (hint, *typing.get_args(hint)))
+
+
 def _enum_of(hint: object) -> type[enum.Enum] | None:
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return hint
@@ -68,15 +75,16 @@ def test_every_closed_choice_is_an_enum_field():
 def test_a_misspelt_choice_fails_at_compose_time_listing_the_options(key, choices):
     options = [member.value for member in choices]
     typo = options[0][:-1] + "x" if len(options[0]) > 1 else "zz"
-    value = f"[{typo}]" if key == "plan.precisions" else typo
+    listed = _is_list(key)
+    value = f"[{typo}]" if listed else typo
     with pytest.raises((ConfigCompositionException, ValidationError)) as caught:
         compose_config([f"{key}={value}"])
     text = str(caught.value) + str(caught.value.__cause__ or "")
     assert f"Invalid value '{typo}', expected one of [{', '.join(options)}]" in text
     # And every listed option composes.
     for option in options:
-        cfg = compose_config([f"{key}=[{option}]" if key == "plan.precisions" else f"{key}={option}"])
-        got = cfg.plan.precisions[0] if key == "plan.precisions" else _get(cfg, key)
+        cfg = compose_config([f"{key}=[{option}]" if listed else f"{key}={option}"])
+        got = _get(cfg, key)[0] if listed else _get(cfg, key)
         assert got == option and str(got) == option and f"{got}" == option
 
 
