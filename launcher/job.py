@@ -224,8 +224,13 @@ VARIANT_KEYS = (
 )
 
 
+def override_key(override: str) -> str:
+    """The key an override sets: `+model.lr@x=1` -> `model.lr`."""
+    return override.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
+
+
 def variant_overrides(overrides: Sequence[str], preset: str, dtype: str) -> list[str]:
     """The command line of `train.py OVERRIDES` with `deepspeed=PRESET precision=DTYPE` instead of the
     user's own ZeRO, offload and precision choices."""
-    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~").split("@", 1)[0] not in VARIANT_KEYS]
+    kept = [o for o in overrides if override_key(o) not in VARIANT_KEYS]
     return [*kept, f"deepspeed={preset}", f"precision={dtype}"]

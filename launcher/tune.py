@@ -47,7 +47,8 @@ from typing import Any
 
 from launcher import credentials
 from launcher.errors import Interrupted, LauncherError, one_line
-from launcher.job import CUDA_MEMORY_CAP_ENV
+from launcher.job import CUDA_MEMORY_CAP_ENV, override_key
+from launcher.rundir import RunDir, Summary
 
 MiB = 2**20
 GiB = 2**30
@@ -108,10 +109,6 @@ class Candidate:
         if self.attention:
             line.append(f"model.attn_implementation={self.attention}")
         return line
-
-
-def override_key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
 
 
 def base_overrides(overrides: Sequence[str], *, tunes_attention: bool) -> list[str]:
@@ -515,13 +512,16 @@ def report(t: Tuning) -> str:
 
 def best_yaml(t: Tuning, result: Result) -> str:
     """An experiment file that reproduces the pick: the job's overrides and the candidate's."""
+    from launcher.resume import CONF_DIR
+
+    groups = {path.name for path in CONF_DIR.iterdir() if path.is_dir()}  # model, deepspeed, data, ...
     group_choices, values = [], {}
     for override in [*t.base, *result.candidate.overrides(t.global_batch)]:
         key, _, value = override.partition("=")
         plain_key = key.lstrip("+")
-        if "." not in plain_key and "/" not in plain_key:  # a config group: model=..., deepspeed=...
+        if plain_key in groups:  # model=..., deepspeed=...: a choice in the defaults list
             group_choices.append((plain_key, value))
-        else:
+        else:  # a value: train.lr=..., deepspeed_json=...
             values[plain_key] = value
     lines = [
         "# @package _global_",
@@ -709,12 +709,9 @@ def _read_new_records(path: Path, offset: int) -> tuple[list[dict[str, Any]], in
     return records, offset + len(complete)
 
 
-def _error_line(log_file: Path) -> str:
-    """The child's one-line error (train.py prints `error: ...`), else its last line."""
-    try:
-        lines = [line.strip() for line in log_file.read_text(errors="replace").splitlines() if line.strip()]
-    except OSError:
-        return "no output"
+def _error_line(output: str) -> str:
+    """A job's one-line error from its output (train.py prints `error: ...`), else its last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("error:")]
     return (errors[-1].removeprefix("error:").strip() if errors else lines[-1] if lines else "no output")[:500]
 
@@ -842,9 +839,9 @@ def run_candidate(t: Tuning, result: Result, tune_cfg: Any) -> None:
     figures = measure(watch.records, warmup, t.global_batch)
     if figures is not None:
         result.samples_per_s, result.tokens_per_s, result.steps = figures
-    summary = _read_summary(run_dir)
-    stopped_from_outside = summary.get("status") in ("interrupted", "preempted") or any(
-        sign in str(summary.get("error")) for sign in ("killed by SIGTERM", "killed by SIGINT", "KeyboardInterrupt")
+    summary = RunDir(run_dir).read_summary() or Summary(status="failed")
+    stopped_from_outside = summary.status in ("interrupted", "preempted") or any(
+        sign in str(summary.error) for sign in ("killed by SIGTERM", "killed by SIGINT", "KeyboardInterrupt")
     )
     if stopped_from_outside and not decided:  # Ctrl-C or a scheduler's SIGTERM: the tuning stops too
         raise Interrupted(f"tune: stopped during {candidate.name}; the results so far are in {t.directory}")
@@ -853,7 +850,7 @@ def run_candidate(t: Tuning, result: Result, tune_cfg: Any) -> None:
     elif len(watch.records) >= warmup + steps:  # measured, then ended by the tuner
         result.status = "fits"
     else:
-        error = str(summary.get("error") or _error_line(log_file))
+        error = summary.error or _error_line(log_file.read_text(errors="replace"))
         out_of_memory = "out of memory" in error.lower() or "can't allocate memory" in error.lower()
         result.status, result.note = ("does not fit" if out_of_memory else "failed"), error[:500]
 
@@ -884,13 +881,6 @@ def _verdict(t: Tuning, watch: Watch, new: list[dict[str, Any]], started: float,
                     f"{so_far[2]} steps) with no more memory",
                 )
     return None
-
-
-def _read_summary(run_dir: Path) -> dict[str, Any]:
-    try:
-        return json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 # ================================================================================ the whole tuning
@@ -932,6 +922,9 @@ def tune(overrides: Sequence[str], *, echo: Callable[[str], None] = print) -> Tu
     for key in ("warmup_steps", "measure_steps"):
         if int(tc[key]) < (0 if key == "warmup_steps" else 1):
             raise LauncherError(f"tune.{key}={tc[key]} must be {'0 or more' if key == 'warmup_steps' else '1 or more'}")
+    for key in ("margin", "skip_margin", "loss_tolerance", "low_precision_loss_tolerance", "candidate_timeout_s"):
+        if not float(tc[key]) > 0 and not (key == "margin" and float(tc[key]) == 0):
+            raise LauncherError(f"tune.{key}={tc[key]} must be positive" + (" (or 0)" if key == "margin" else ""))
     if tc.memory_gb is not None and tc.memory_gb <= 0:
         raise LauncherError(f"tune.memory_gb={tc.memory_gb} must be positive (GiB per rank), or null for the planner's")
     tunes_attention = bool(tc.attn_implementations)
@@ -1055,19 +1048,13 @@ def check_best(t: Tuning, best: Result) -> str:
     try:
         produced = json.loads((check_dir / "ds_config.json").read_text())
     except (OSError, ValueError):
-        return f"NOT verified: the dry run of best.yaml failed ({_last_error(done.stderr)})"
+        return f"NOT verified: the dry run of best.yaml failed ({_error_line(done.stderr)})"
     if best.ds_config is None:
         return "not verified: the candidate's ds_config.json is missing"
     if produced == best.ds_config:
         return "verified: a dry run of best.yaml writes the candidate's ds_config.json exactly"
     differing = sorted(k for k in set(produced) | set(best.ds_config) if produced.get(k) != best.ds_config.get(k))
     return f"NOT verified: its ds_config.json differs from the candidate's in {', '.join(differing)}"
-
-
-def _last_error(stderr: str) -> str:
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("error:")]
-    return (errors or lines or ["no output"])[-1][:300]
 
 
 # ================================================================================ W&B

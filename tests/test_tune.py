@@ -194,13 +194,15 @@ def test_throughput_leaves_the_warm_up_steps_out():
 
 
 def test_best_yaml_holds_the_job_and_the_candidate(tmp_path):
-    t = Tuning(tmp_path, ["model.hidden_size=128", "data=llava_json", "data.path=/d/x.json"], 32, 2, 2**30, "test")
+    base = ["model.hidden_size=128", "data=llava_json", "data.path=/d/x.json", "deepspeed_json=/d/ds.json"]
+    t = Tuning(tmp_path, base, 32, 2, 2**30, "test")
     best = result("z2", micro=4, gc=True, rate=10.0, peak=100)
     text = tune.best_yaml(t, best)
     assert text.startswith("# @package _global_\n")
     assert "  - override /data: llava_json\n  - override /deepspeed: z2\n  - override /precision: fp32" in text
     assert "hidden_size: 128" in text and "micro_batch_size: 4" in text and "grad_accum: null" in text
     assert "gradient_checkpointing: true" in text and "path: /d/x.json" in text
+    assert "deepspeed_json: /d/ds.json" in text and "override /deepspeed_json" not in text  # a value, not a group
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -209,6 +211,7 @@ def test_best_yaml_holds_the_job_and_the_candidate(tmp_path):
     [
         (["tune.measure_steps=0"], "tune.measure_steps=0 must be 1 or more"),
         (["tune.memory_gb=-1"], "tune.memory_gb=-1.0 must be positive"),
+        (["tune.skip_margin=-0.1"], "tune.skip_margin=-0.1 must be positive"),
         (["tune.micro_batch_sizes=[5]", "train.micro_batch_size=4", "train.global_batch_size=8"], "no candidate"),
         (["tune.presets=[z9]"], "tune.presets"),
     ],
