@@ -1128,8 +1128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         t = tune(overrides)
-        write_plot(t, t.directory / "tune.png")
-        write_outputs(t)
+        write_plot(t, t.directory / "tune.png")  # tune() wrote the tables and best.yaml already
         wandb_dir = log_to_wandb(t, overrides)
     except (HydraException, OmegaConfBaseException) as err:
         print(f"error: {one_line(err)}", file=sys.stderr)
