@@ -67,6 +67,47 @@ def record_rank_error(
     return trace_file
 
 
+# Signs that a rank failed because another one did. When a rank dies outright (gloo aborts the
+# process, SIGABRT, when a collective receives other sizes than it expects), torchrun terminates the
+# others, and one may notice its DataLoader worker's SIGTERM before the broken connection.
+BROKEN_COLLECTIVE_SIGNS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "collective mismatch",
+    "is killed by signal: Terminated",
+    "killed by SIGABRT",
+)
+
+
+def step_failure(message: str, step: int, world_size: int, zero_stage: int | None) -> str:
+    """The line for a rank that failed inside a train step: the step, and the likely cause where the
+    error is a sign that another rank failed first."""
+    message = f"step {step}: {message}"
+    if world_size > 1 and any(sign in message for sign in BROKEN_COLLECTIVE_SIGNS):
+        message += " (another rank failed or ran a different collective; see its output above and errors/"
+        if zero_stage == 3:
+            message += "; at ZeRO-3, ranks whose batches differ in modality do this: keep data.modality_guard on"
+        message += ")"
+    return message
+
+
+# A rank that dies by a signal (SIGABRT from gloo or NCCL, the out-of-memory killer's SIGKILL) records
+# nothing; its `errors/rank<R>.in_step` file, rewritten in place as each train step starts and ends,
+# still holds the step it died in (launcher.watchdog writes it).
+IN_STEP_SUFFIX = ".in_step"
+
+
+def step_in_flight(run_dir: Path) -> int | None:
+    """The earliest train step a rank was in when it died, from the files of ranks that ended mid-step."""
+    steps = []
+    for path in (run_dir / ERRORS_DIR).glob(f"rank*{IN_STEP_SUFFIX}"):
+        try:
+            steps.append(int(path.read_text().strip()))
+        except (OSError, ValueError):  # blank: that rank was between steps
+            continue
+    return min(steps, default=None)
+
+
 def first_rank_error(run_dir: Path) -> dict[str, Any] | None:
     """The earliest error any rank recorded (the cause; later ones are its consequences)."""
     records = []

@@ -24,9 +24,17 @@ from typing import Any
 from omegaconf import DictConfig
 
 from launcher.children import die_with_parent
-from launcher.errors import Interrupted, LauncherError, TrainingFailed, clear_rank_errors, first_rank_error
+from launcher.errors import (
+    Interrupted,
+    LauncherError,
+    TrainingFailed,
+    clear_rank_errors,
+    first_rank_error,
+    step_failure,
+    step_in_flight,
+)
 from launcher.job import JobSpec
-from launcher.rundir import RunDir, Summary
+from launcher.rundir import RunDir, Summary, read_json
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -290,9 +298,12 @@ def _outcome(run_dir: Path, returncode: int, node_rank: int = 0) -> Summary:
     if killed is not None and not (summary and summary.error):
         oom = killed == "SIGKILL"
         hint = " (the kernel's out-of-memory killer sends it when memory runs out: see dmesg)" if oom else ""
-        raise TrainingFailed(
-            f"a rank was killed by {killed}{hint}; checkpoints saved before it resume with resume={run_dir}"
-        )
+        message = f"a rank was killed by {killed}{hint}"
+        step = step_in_flight(run_dir)
+        if step is not None:  # it died in a train step, too suddenly to record an error
+            job = read_json(RunDir(run_dir).job)
+            message = step_failure(message, step, int(job["world_size"]), job.get("zero_stage"))
+        raise TrainingFailed(f"{message}; checkpoints saved before it resume with resume={run_dir}")
     error = (summary.error if summary else None) or f"training exited with code {returncode}"
     raise (LauncherError if returncode == 2 else TrainingFailed)(error)
 

@@ -34,7 +34,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from launcher import checkpoint, credentials
-from launcher.errors import LauncherError, TrainingFailed, one_line, record_rank_error
+from launcher.errors import LauncherError, TrainingFailed, one_line, record_rank_error, step_failure
 from launcher.job import CUDA_MEMORY_CAP_ENV, plain
 from launcher.rundir import RunDir, Summary, read_json
 from launcher.schema import OBJECTIVES
@@ -44,17 +44,9 @@ log = logging.getLogger("launcher")
 
 # Test hook: "RANK:STEP" makes that rank raise at that step (to test how a crashed rank is reported);
 # "RANK:STEP:hang" makes it stop answering the others there (to test the step watchdog);
+# "RANK:STEP:abort" makes it die by SIGABRT there, recording nothing (as gloo and NCCL end a process);
 # "RANK:STEP:alloc=MIB" makes it hold MIB MiB more from there on (to test a memory budget).
 FAULT_ENV = "LAUNCHER_TEST_FAULT"
-# Signs that this rank failed because another one did. The last: when a rank dies outright (gloo
-# aborts the process on a size mismatch), torchrun terminates the others, and a rank may notice its
-# DataLoader worker's SIGTERM before the broken connection.
-_BROKEN_COLLECTIVE = (
-    "Connection reset by peer",
-    "Connection closed by peer",
-    "collective mismatch",
-    "is killed by signal: Terminated",
-)
 
 
 # ----------------------------------------------------------------------------- the rank
@@ -256,18 +248,6 @@ def train(cfg: DictConfig, run_dir: Path) -> Summary:
         # Without this, rank 0 aborts at exit ("terminate called without an active exception").
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-
-
-def step_failure(message: str, step: int, world_size: int, zero_stage: int | None) -> str:
-    """The line for a rank that failed inside a train step: the step, and the likely cause where the
-    error is a sign that another rank failed first."""
-    message = f"step {step}: {message}"
-    if world_size > 1 and any(sign in message for sign in _BROKEN_COLLECTIVE):
-        message += " (another rank failed or ran a different collective; see its output above and errors/"
-        if zero_stage == 3:
-            message += "; at ZeRO-3, ranks whose batches differ in modality do this: keep data.modality_guard on"
-        message += ")"
-    return message
 
 
 def _failed(
@@ -679,6 +659,8 @@ def _inject_fault(rank: int, step: int) -> None:
         return
     if how == ["hang"]:
         time.sleep(10**6)  # the other ranks wait in this step's all-reduce
+    if how == ["abort"]:
+        os.abort()
     if how and how[0].startswith("alloc="):  # hold that many MiB, touched (resident), and go on
         _BALLAST.append(torch.ones(int(how[0].split("=", 1)[1]) * 2**20, dtype=torch.uint8))
         return

@@ -7,6 +7,9 @@ still blocked: it writes every thread's Python stack to `errors/rank<R>_stacks.t
 rank's one-line error (which the launcher shows), and ends the process with `os._exit`, because a
 thread stuck in a collective cannot be unwound by an exception.
 
+It also keeps `errors/rank<R>.in_step` holding the step in flight (blank between steps), so that
+when a rank dies by a signal, recording nothing, the launcher can still name the step.
+
     watchdog = StepWatchdog(run_dir, rank, cfg.dist.step_timeout_s)
     with watchdog.step(step):
         metrics = train_step(session, step)
@@ -24,7 +27,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from launcher.errors import ERRORS_DIR, LauncherError, TrainingFailed, record_rank_error
+from launcher.errors import ERRORS_DIR, IN_STEP_SUFFIX, LauncherError, TrainingFailed, record_rank_error
 
 
 class StepWatchdog:
@@ -50,6 +53,10 @@ class StepWatchdog:
         self._armed: tuple[int, float] | None = None  # (step, monotonic deadline) while a step runs
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._in_step = self.run_dir / ERRORS_DIR / f"rank{rank}{IN_STEP_SUFFIX}"
+        self._in_step.parent.mkdir(parents=True, exist_ok=True)
+        self._in_step_fd: int | None = os.open(self._in_step, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._mark(None)
         if self.timeout_s > 0:
             self._thread = threading.Thread(target=self._watch, name="step-watchdog", daemon=True)
             self._thread.start()
@@ -57,8 +64,12 @@ class StepWatchdog:
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
         """Watch the body as step `step`; disarmed when it ends, by returning or by raising."""
+        self._mark(step)
         if self._thread is None:
-            yield
+            try:
+                yield
+            finally:
+                self._mark(None)
             return
         with self._condition:
             self._armed = (step, time.monotonic() + self.timeout_s)
@@ -68,9 +79,21 @@ class StepWatchdog:
         finally:
             with self._condition:
                 self._armed = None  # the thread wakes at the old deadline, finds nothing armed, sleeps on
+            self._mark(None)
+
+    def _mark(self, step: int | None) -> None:
+        """Write the step in flight into this rank's file: one write in place, no new file (cheap per step)."""
+        if self._in_step_fd is not None:
+            os.pwrite(self._in_step_fd, f"{'' if step is None else step:<20}\n".encode(), 0)
 
     def close(self) -> None:
-        """Stop the thread (a no-op when there is none, or when already closed)."""
+        """Stop the thread and remove the step file (a no-op when already closed)."""
+        if self._in_step_fd is not None:
+            os.close(self._in_step_fd)
+            self._in_step_fd = None
+            self._in_step.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # only when empty: a run that failed keeps its records
+                self._in_step.parent.rmdir()
         if self._thread is None:
             return
         with self._condition:

@@ -311,3 +311,24 @@ def test_a_crashed_rank_stops_the_job_and_only_its_error_is_shown(run_train, tmp
     assert set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) <= shm_before
     # Bounded: rank 0 does not wait for a timeout (gloo's default is 30 minutes).
     assert elapsed < 120, f"took {elapsed:.0f} s"
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_by_a_signal_mid_step_is_named_with_its_step(run_train, tmp_path):
+    """gloo and NCCL end a rank with SIGABRT (a collective that received other sizes than it expected),
+    and torchrun then terminates the others: no rank may record an error. The step is still named."""
+    run_dir = tmp_path / "run"
+    result = run_train(
+        *RUN,
+        "train.max_steps=50",
+        "dist.nproc_per_node=2",
+        f"hydra.run.dir={run_dir}",
+        env={"LAUNCHER_TEST_FAULT": "1:3:abort"},
+        timeout=300,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    # Either rank 0 recorded the broken connection first, or nobody recorded and rank 1's step file names it.
+    assert "step 3: " in errors[0] and "keep data.modality_guard on" in errors[0], errors[0]
+    assert summary(run_dir)["status"] == "failed"

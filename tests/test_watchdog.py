@@ -94,6 +94,50 @@ def test_a_hung_step_ends_the_rank_with_its_stacks_and_one_line(tmp_path, how):
     assert str(failed.value) == f"rank 0: {record['error']} (traceback: {run_dir / 'errors' / 'rank0.txt'})"
 
 
+@pytest.mark.parametrize(("timeout_s", "world_size", "zero_stage"), [(0, 2, 3), (60, 2, 3), (60, 1, 3), (0, 2, 2)])
+def test_a_rank_killed_by_a_signal_mid_step_is_named_with_its_step(tmp_path, timeout_s, world_size, zero_stage):
+    """A rank that dies by SIGABRT (as gloo and NCCL end one) records nothing; its step file survives it,
+    and the launcher's line names the step, with the cause's hint where other ranks were involved."""
+    run_dir = tmp_path / "run"
+    script = _script(
+        tmp_path,
+        f"""
+        import os
+        watchdog = StepWatchdog(run_dir, 1, {timeout_s})
+        for step in (1, 2):
+            with watchdog.step(step):
+                pass
+        with watchdog.step(3):
+            os.abort()
+        """,
+    )
+    run_dir.mkdir()
+    (run_dir / "job.json").write_text(json.dumps({"world_size": world_size, "zero_stage": zero_stage}))
+    done, _ = _run(script, str(run_dir))
+    assert done.returncode == -6
+    assert not (run_dir / "errors" / "rank1.json").exists()
+    with pytest.raises(TrainingFailed) as failed:
+        _outcome(run_dir, 128 + 6)  # as torchrun reports a rank ended by signal 6
+    line = str(failed.value)
+    assert line.startswith("step 3: a rank was killed by SIGABRT")
+    assert line.endswith(f"; checkpoints saved before it resume with resume={run_dir}")
+    assert ("another rank failed" in line) == (world_size > 1)
+    assert ("keep data.modality_guard on" in line) == (world_size > 1 and zero_stage == 3)
+
+
+def test_a_rank_killed_between_steps_names_no_step(tmp_path):
+    run_dir = tmp_path / "run"
+    watchdog = StepWatchdog(run_dir, 0, 0)
+    with watchdog.step(4):
+        assert (run_dir / "errors" / "rank0.in_step").read_text().strip() == "4"
+    assert (run_dir / "errors" / "rank0.in_step").read_text().strip() == ""  # evaluating, saving: not a step
+    (run_dir / "job.json").write_text(json.dumps({"world_size": 2, "zero_stage": 3}))
+    with pytest.raises(TrainingFailed, match=r"^a rank was killed by SIGKILL \(the kernel's out-of-memory"):
+        _outcome(run_dir, -9)
+    watchdog.close()
+    assert not (run_dir / "errors").exists()
+
+
 def test_an_announcing_watchdog_prints_the_line_itself(tmp_path):
     """Under SLURM no parent launcher reads errors/: the rank prints its one line before it ends."""
     run_dir = tmp_path / "run"
@@ -222,7 +266,7 @@ RESET = "RuntimeError: [pair.cc:537] Read error [127.0.0.1]:41101: Connection re
 def test_a_rank_failing_because_another_did_says_so_and_names_the_zero3_cause(error):
     """gloo aborts a rank on a mismatched gather; the other then sees either the broken connection or,
     when torchrun's SIGTERM reaches its DataLoader worker first, a terminated worker: both get the hint."""
-    from launcher.recipe import step_failure
+    from launcher.errors import step_failure
 
     line = step_failure(error, 1, world_size=2, zero_stage=3)
     assert line.startswith("step 1: ") and "another rank failed" in line and "keep data.modality_guard on" in line
@@ -231,6 +275,6 @@ def test_a_rank_failing_because_another_did_says_so_and_names_the_zero3_cause(er
 
 
 def test_an_ordinary_step_failure_only_gains_its_step():
-    from launcher.recipe import step_failure
+    from launcher.errors import step_failure
 
     assert step_failure("ValueError: bad", 7, world_size=2, zero_stage=3) == "step 7: ValueError: bad"
