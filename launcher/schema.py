@@ -320,7 +320,9 @@ class TuneConfig:
     warmup_steps: int = 1  # steps run before measuring: the first is 15-35% slower, the second is not (docs/tune.md)
     measure_steps: int = 4  # steps measured per candidate
     prune: bool = True  # skip candidates predicted not to fit (false: run every one, an exhaustive sweep)
-    early_skip: bool = True  # stop a candidate that a measured one beats on speed and on memory
+    # Stop a candidate that a measured one beats on speed and on memory; skip one with gradient
+    # checkpointing whose twin without it fits (or lost to one that fits): it cannot be faster.
+    early_skip: bool = True
     skip_margin: float = 0.1  # ... by more than this fraction of speed
     loss_tolerance: float = 1e-4  # first losses (fp32) may differ from the reference by this (relative)
     low_precision_loss_tolerance: float = 2e-2  # ... in bf16/fp16

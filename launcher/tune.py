@@ -173,7 +173,7 @@ class Result:
     candidate: Candidate
     planned: int | None = None  # bytes per rank, the planner's estimate
     components: dict[str, int] = field(default_factory=dict)  # the planned bytes by component
-    status: str = "not run"  # fits | does not fit | pruned | dominated | failed | wrong | not run
+    status: str = "not run"  # fits | does not fit | pruned | skipped | dominated | failed | wrong | not run
     note: str = ""  # why: the error line, the prediction, the dominating candidate, the loss gap
     samples_per_s: float | None = None
     tokens_per_s: float | None = None
@@ -195,7 +195,7 @@ class Result:
         return self.status in ("fits", "wrong")
 
 
-STATUS_ORDER = ("fits", "wrong", "dominated", "does not fit", "failed", "pruned", "not run")
+STATUS_ORDER = ("fits", "wrong", "dominated", "does not fit", "failed", "skipped", "pruned", "not run")
 
 
 def predict(candidate: Candidate, planned: int, results: Iterable[Result]) -> tuple[int, str]:
@@ -230,6 +230,30 @@ def prune_reason(
     if predicted > budget * (1 + margin):
         over = f"budget {budget / MiB:.0f} MiB x (1 + tune.margin={margin:g})"
         return f"predicted {predicted / MiB:.0f} MiB ({basis}) > {over}"
+    return None
+
+
+def skip_reason(candidate: Candidate, results: Sequence[Result]) -> str | None:
+    """Why a candidate with gradient checkpointing cannot be the pick, so need not run, or None.
+
+    Checkpointing recomputes each layer's forward during the backward: the same work as its twin
+    without it (same preset, precision, micro batch, attention), plus that recomputation, for less
+    memory. So when the twin fits, or lost to a faster candidate that fits, this one cannot be the
+    fastest that fits; it is worth measuring only where the twin did not fit or was not measured."""
+    if not candidate.checkpointing:
+        return None
+    for other in results:
+        twin = other.candidate
+        if twin.checkpointing or (twin.preset, twin.precision, twin.micro, twin.attention) != (
+            candidate.preset,
+            candidate.precision,
+            candidate.micro,
+            candidate.attention,
+        ):
+            continue
+        if other.status in ("fits", "dominated"):
+            how = "fits" if other.status == "fits" else "lost to a faster candidate that fits"
+            return f"{other.name} (no gradient checkpointing) {how}; checkpointing only adds recomputation"
     return None
 
 
@@ -501,7 +525,9 @@ def report(t: Tuning) -> str:
         "Throughput: the global batch over the mean step time of the measured steps (after the warm-up ones). "
         "Peak: the largest rank's peak (a CPU: resident set size, polled by the tuner, and rank 0's own maximum; "
         "a GPU: the rank's reported peak). Pruned: predicted above the budget by more than tune.margin, or a "
-        "smaller micro batch of the same configuration did not fit. Dominated: stopped once a measured candidate "
+        "smaller micro batch of the same configuration did not fit. Skipped: gradient checkpointing on, and the "
+        "same candidate without it fits or lost to one that fits (checkpointing only adds recomputation). "
+        "Dominated: stopped once a measured candidate "
         "was faster by more than tune.skip_margin while using no more memory than this one already had. "
         "Wrong: first losses differ from the reference candidate's (same precision and micro batch). "
         "tune.png: throughput against peak memory; the Pareto front joined.",
@@ -995,9 +1021,12 @@ def tune(overrides: Sequence[str], *, echo: Callable[[str], None] = print) -> Tu
         reason = (
             prune_reason(result.candidate, result.planned, t.results, budget, float(tc.margin)) if tc.prune else None
         )
+        status = "pruned"
+        if reason is None and tc.early_skip:
+            reason, status = skip_reason(result.candidate, t.results), "skipped"
         if reason is not None:
-            result.status, result.note = "pruned", reason
-            echo(f"[{index}/{len(t.results)}] {result.name}: pruned: {reason}")
+            result.status, result.note = status, reason
+            echo(f"[{index}/{len(t.results)}] {result.name}: {status}: {reason}")
             write_outputs(t)
             continue
         run_candidate(t, result, tc)
@@ -1076,7 +1105,7 @@ def log_to_wandb(t: Tuning, overrides: Sequence[str]) -> str | None:
     group = f"tune-{t.directory.parent.name}-{t.directory.name}"
     wandb_dir = t.directory / "wandb_runs"
     for result in t.results:
-        if result.status in ("pruned", "not run"):
+        if result.status in ("pruned", "skipped", "not run"):
             continue
         run = WandbRun.start(
             wandb_dir / result.name,

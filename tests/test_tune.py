@@ -125,6 +125,28 @@ def test_a_candidate_is_dominated_only_by_a_faster_one_that_used_no_more_memory(
     assert tune.dominating(80.0, 600 * MiB, [result(status="dominated", rate=200.0, peak=10)], margin=0.1) is None
 
 
+@pytest.mark.parametrize(
+    ("twin_status", "skipped"),
+    [("fits", True), ("dominated", True), ("does not fit", False), ("pruned", False), ("failed", False)],
+)
+def test_checkpointing_is_skipped_only_where_its_twin_without_it_fits_or_lost_to_one_that_does(twin_status, skipped):
+    checkpointed = Candidate("z2", "fp32", 8, 4, True)
+    results = [result("z2", 8, gc=False, status=twin_status, rate=30.0, peak=900)]
+    reason = tune.skip_reason(checkpointed, results)
+    assert (reason is not None) == skipped
+    if skipped:
+        assert reason.startswith("z2-fp32-mb8 (no gradient checkpointing) ") and "recomputation" in reason
+    # Only the exact twin counts: another micro batch, preset or precision says nothing of this one.
+    others = [
+        result("z2", 4, status="fits", rate=30.0, peak=900),
+        result("z0", 8, status="fits", rate=30.0, peak=900),
+        result("z2", 8, precision="bf16", status="fits", rate=30.0, peak=900),
+    ]
+    assert tune.skip_reason(checkpointed, others) is None
+    # A candidate without checkpointing is never skipped this way.
+    assert tune.skip_reason(Candidate("z2", "fp32", 8, 4, False), results) is None
+
+
 # ----------------------------------------------------------------------------- checking, choosing
 def test_first_losses_are_compared_with_the_reference_of_the_same_precision_and_micro_batch():
     ref = result(losses=[2.0, 1.9, 1.8])
