@@ -96,7 +96,7 @@ def main() -> int:
     print("| | wall s | CPU s | candidates run | exit |")
     print("|---|---|---|---|---|")
     for label, (wall, cpu, code), table in (("tuner", tuner, tuned), ("exhaustive", sweep, exhaustive)):
-        ran = sum(row["status"] not in ("pruned", "not run") for row in table.values())
+        ran = sum(row["status"] not in ("pruned", "skipped", "not run") for row in table.values())
         print(f"| {label} | {wall:.0f} | {'-' if cpu is None else f'{cpu:.0f}'} | {ran} of {len(table)} | {code} |")
     cpu_ratio = "n/a" if None in (tuner[1], sweep[1]) else f"{tuner[1] / sweep[1]:.3f}"
     print(f"\ntuning / exhaustive: wall {tuner[0] / sweep[0]:.3f}, CPU {cpu_ratio}")
