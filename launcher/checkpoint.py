@@ -6,6 +6,7 @@ Layout of `run_dir/checkpoints/`:
       launcher_rank<R>.pt   per rank: data position and random-number state
       launcher_complete.json  written last, by rank 0, after every rank saved: step, world size, ...
     latest                  the tag to resume from; replaced atomically after the marker exists
+    universal/step40/       made by a resume on another world size or ZeRO stage (launcher.universal)
 
 A save that dies half-way leaves a tag directory without the marker and `latest` still naming the
 previous complete checkpoint, so a resume never starts from a partial checkpoint.
@@ -39,6 +40,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from launcher.errors import TrainingFailed, one_line
+from launcher.reshard import UNIVERSAL_DIR, Reshard
 from launcher.rundir import METRICS_FILE, read_json, write_json_atomic
 
 log = logging.getLogger("launcher")
@@ -141,10 +143,10 @@ def incompatibilities(marker: dict[str, Any], current: dict[str, Any]) -> list[s
     """What differs between the job that wrote a checkpoint and this one ("key: old -> new").
 
     How the model runs (attention kernel, activation checkpointing, image resolution) may change on a
-    resume: the weights are the same. A key the checkpoint does not record (an older launcher's) is
-    not compared."""
+    resume: the weights are the same. So may the world size and ZeRO stage (launcher.reshard decides
+    how). A key the checkpoint does not record (an older launcher's) is not compared."""
     differences = []
-    for key in ("world_size", "zero_stage", "precision"):
+    for key in ("precision",):
         if marker.get(key) != current.get(key):
             differences.append(f"{key} {marker.get(key)} -> {current.get(key)}")
     for group in ("model", "method"):
@@ -306,29 +308,57 @@ def _prune(checkpoints: Path, keep: int) -> None:
     kept = complete_tags(checkpoints)[-max(keep, 1) :]
     oldest_kept = kept[0][0]
     kept_tags = {tag for _, tag in kept}
-    for path in checkpoints.iterdir():
+    for path in [*checkpoints.iterdir(), *_universal_copies(checkpoints)]:
         match = _TAG.fullmatch(path.name)
         if match and path.name not in kept_tags and int(match.group(1)) < oldest_kept:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def load(engine: Any, run_dir: Path, tag: str) -> tuple[int, DataPosition, dict[str, Any]]:
-    """Restore a checkpoint into the engine; returns its step, the data position and this rank's RNG state."""
+def _universal_copies(checkpoints: Path) -> list[Path]:
+    """The universal copies of checkpoints (launcher.universal), pruned with their originals."""
+    folder = checkpoints / UNIVERSAL_DIR
+    return list(folder.iterdir()) if folder.is_dir() else []
+
+
+def load(
+    engine: Any, run_dir: Path, tag: str, reshard: Reshard | None = None
+) -> tuple[int, DataPosition, dict[str, Any] | None]:
+    """Restore a checkpoint into the engine; returns its step, the data position (as saved: per rank of
+    the saving job) and this rank's RNG state (None when the world size changed: no rank's applies).
+
+    With `reshard` (another world size or ZeRO stage) the weights and optimizer come from the
+    checkpoint's universal copy (launcher.universal), made by the launcher before the ranks started."""
+    from launcher import universal
+
     checkpoints = run_dir / CHECKPOINT_DIR
+    rank = torch.distributed.get_rank()
+    source = checkpoints / tag
     try:
-        path, _ = engine.load_checkpoint(
-            str(checkpoints), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
-        own = torch.load(checkpoints / tag / f"launcher_rank{torch.distributed.get_rank()}.pt", weights_only=False)
+        if reshard is not None and reshard.converts:
+            source = universal.universal_path(checkpoints, tag)
+            if reshard.zero_stage == 0:
+                universal.load_into_stage0(engine, source)
+                path = str(source)
+            else:
+                path, _ = engine.load_checkpoint(
+                    str(source.parent), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+                )
+        else:
+            path, _ = engine.load_checkpoint(
+                str(checkpoints), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
+        same_ranks = reshard is None or reshard.keeps_ranks
+        own = torch.load(checkpoints / tag / f"launcher_rank{rank if same_ranks else 0}.pt", weights_only=False)
     except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as err:
         # A damage the sizes recorded at save do not show (or a checkpoint saved before they were).
         raise TrainingFailed(
-            f"cannot load checkpoint {checkpoints / tag} ({type(err).__name__}: {one_line(err)}): a file of it "
+            f"cannot load checkpoint {source} ({type(err).__name__}: {one_line(err)}): a file of it "
             "may be damaged; move that directory away to resume from the checkpoint before it"
         ) from err
     if path is None:
-        raise RuntimeError(f"DeepSpeed could not load checkpoint {checkpoints / tag}")
-    return int(own["step"]), DataPosition(own["epoch"], own["batches"], own.get("sources")), own["rng"]
+        raise RuntimeError(f"DeepSpeed could not load checkpoint {source}")
+    rng = own["rng"] if same_ranks else None
+    return int(own["step"]), DataPosition(own["epoch"], own["batches"], own.get("sources")), rng
 
 
 def truncate_metrics(run_dir: Path, step: int) -> None:

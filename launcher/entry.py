@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from launcher import credentials
 from launcher.errors import Interrupted, LauncherError, one_line, record_rank_error
 from launcher.job import HydraJob, JobSpec, plain, plan_job
+from launcher.reshard import Reshard
 from launcher.resume import argument, is_multirun, runs_a_job
 from launcher.rundir import RunDir, Summary, directory_problem, read_json, write_json_atomic
 
@@ -138,15 +139,16 @@ def resume_tag(cfg: DictConfig, spec: JobSpec) -> str | None:
         if not cfg.dry_run and cfg.dist.node_rank == 0:
             run_dir.metrics.unlink(missing_ok=True)  # steps of a segment killed before its first save
         return None
-    check_resumable(run_dir, tag, spec)
     return tag
 
 
-def check_resumable(run_dir: RunDir, tag: str, spec: JobSpec) -> None:
-    """Refuse, in one line, to resume a checkpoint written by a different world size, model, method or
-    ZeRO stage."""
+def check_resumable(cfg: DictConfig, run_dir: RunDir, tag: str, spec: JobSpec) -> Reshard | None:
+    """Refuse, in one line, to resume a checkpoint written by a different model, method or precision, or
+    on a shape it cannot continue on; the reshard when the world size or ZeRO stage differs."""
     from launcher.checkpoint import incompatibilities, read_marker
+    from launcher.reshard import reshard_for
 
+    marker = read_marker(run_dir.checkpoints, tag)
     current = {
         "world_size": spec.world_size,
         "zero_stage": spec.zero_stage,
@@ -154,12 +156,61 @@ def check_resumable(run_dir: RunDir, tag: str, spec: JobSpec) -> None:
         "model": spec.model,
         "method": spec.method,
     }
-    differences = incompatibilities(read_marker(run_dir.checkpoints, tag), current)
+    differences = incompatibilities(marker, current)
     if differences:
         raise LauncherError(
             f"cannot resume {run_dir.checkpoints / tag}: the job differs from the one that saved it "
             f"({'; '.join(differences)}); resume with the same settings, or start a new run"
         )
+    offload = (spec.ds_config["zero_optimization"].get("offload_optimizer") or {}).get("device")
+    return reshard_for(
+        marker,
+        {
+            **current,
+            "global_batch": int(spec.ds_config["train_batch_size"]),
+            "offload_optimizer": None if offload in (None, "none") else str(offload),
+            "data": plain(cfg.data),
+        },
+    )
+
+
+def convert_for_reshard(run_dir: RunDir, spec: JobSpec, *, node_rank: int = 0, wait_s: float = 1800) -> None:
+    """Make the universal copy of the checkpoint a reshard resumes from (once; launcher.universal).
+    Node 0's launcher converts; the other nodes' wait for its copy (a run directory all nodes share)."""
+    from launcher import universal
+    from launcher.checkpoint import read_marker
+
+    reshard = Reshard.from_json(spec.reshard or {})
+    tag = str(spec.resume_tag)
+    if not reshard.converts:
+        print(f"resume: {reshard.describe()}: the ZeRO-0 checkpoint loads as it is", file=sys.stderr)
+        return
+    out = universal.universal_path(run_dir.checkpoints, tag)
+    deadline = time.time() + wait_s
+    while node_rank > 0 and not universal.is_universal(out):
+        if time.time() > deadline:
+            raise LauncherError(
+                f"node {node_rank}: node 0 did not convert {run_dir.checkpoints / tag} to {out} within "
+                f"dist.timeout_s={wait_s:g} s; the run directory must be on a disk every node shares"
+            )
+        time.sleep(1)
+    if universal.is_universal(out):
+        print(f"resume: {reshard.describe()} from its universal copy {out}", file=sys.stderr)
+        return
+    started = time.time()
+    marker = read_marker(run_dir.checkpoints, tag)
+    try:
+        universal.ensure_universal(run_dir.checkpoints, tag, reshard.saved_zero_stage, marker.get("param_names"))
+    except (OSError, ValueError, KeyError, RuntimeError, AssertionError) as err:
+        raise LauncherError(
+            f"cannot convert {run_dir.checkpoints / tag} for {reshard.describe()} ({type(err).__name__}: "
+            f"{one_line(err)}); the checkpoint itself is unchanged: resume with its world size and ZeRO stage"
+        ) from err
+    print(
+        f"resume: {reshard.describe()}: converted {run_dir.checkpoints / tag} to {out} "
+        f"in {time.time() - started:.1f} s",
+        file=sys.stderr,
+    )
 
 
 def already_finished(cfg: DictConfig, spec: JobSpec) -> Summary | None:
@@ -257,7 +308,9 @@ def run_job(
         spec = plan_job(cfg, hydra)
         check_inputs(cfg, spec, launching=not cfg.dry_run)
         check_memory(cfg, spec)
-        spec = spec.with_resume(resume_tag(cfg, spec))
+        if (tag := resume_tag(cfg, spec)) is not None:
+            reshard = check_resumable(cfg, run_dir, tag, spec)
+            spec = spec.with_resume(tag, None if reshard is None else reshard.to_json())
         if (finished := already_finished(cfg, spec)) is not None:
             print(
                 f"resume: {run_dir.path} already finished at step {finished.steps} (train.max_steps="
@@ -265,6 +318,10 @@ def run_job(
                 file=sys.stderr,
             )
             return math.nan if finished.objective is None else float(finished.objective)
+        if spec.reshard is not None and not cfg.dry_run:
+            # Before the resume is accepted (a failed conversion leaves the run as it was), and before the
+            # plan is written (other nodes' launchers and SLURM tasks start on the plan).
+            convert_for_reshard(run_dir, spec, node_rank=int(cfg.dist.node_rank), wait_s=float(cfg.dist.timeout_s))
         accepted = True
         if on_accept is not None:
             on_accept()
@@ -376,6 +433,38 @@ def _read_optional_json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def keep_global_batch(run_dir: RunDir, cfg: DictConfig, argv: list[str]) -> list[str]:
+    """The batch overrides a resume on another world size needs to keep the checkpoint's global batch
+    (accumulation adjusted; none when the world size is the checkpoint's). They join the resumed
+    command line, so the run's overrides.yaml records them and a later resume keeps them too."""
+    from launcher.checkpoint import find_resume_tag, read_marker
+    from launcher.job import world_size_of
+    from launcher.reshard import batch_overrides
+
+    tag = find_resume_tag(run_dir.checkpoints, warn=lambda line: None)  # resume_tag() warns, later
+    if tag is None:
+        return []
+    marker = read_marker(run_dir.checkpoints, tag)
+    world_size = world_size_of(cfg)
+    if marker.get("world_size") == world_size or marker.get("global_batch") is None:
+        return []
+    keys = ("train.micro_batch_size", "train.grad_accum", "train.global_batch_size")
+    given = {key: value for key in keys if (value := argument(argv, key)) not in (None, "null")}
+    kept = batch_overrides(int(marker["global_batch"]), int(marker["micro_batch"]), world_size, given)
+    if kept == [
+        f"train.micro_batch_size={cfg.train.micro_batch_size}",
+        "train.grad_accum=null",
+        f"train.global_batch_size={cfg.train.global_batch_size}",
+    ]:
+        return []
+    print(
+        f"resume: on {world_size} rank(s) (saved on {marker['world_size']}), the checkpoint's global batch "
+        f"{marker['global_batch']} is kept: {' '.join(kept)}",
+        file=sys.stderr,
+    )
+    return kept
+
+
 def run_resumed(run_dir: Path, argv: list[str]) -> int:
     """`train.py resume=...`: compose the continued job (launcher.resume) and run it; the exit code."""
     from hydra.errors import HydraException
@@ -386,9 +475,14 @@ def run_resumed(run_dir: Path, argv: list[str]) -> int:
     claim_or_exit(RunDir(run_dir), "resume", multirun=False)
     try:
         resumed = compose_resumed(run_dir, argv)
+        if kept := keep_global_batch(RunDir(run_dir), resumed.cfg, argv):
+            resumed = compose_resumed(run_dir, [*argv, *kept])
     except (HydraException, OmegaConfBaseException) as err:
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 1
+    except LauncherError as err:
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return err.exit_code
     os.environ.update({str(k): str(v) for k, v in (resumed.hydra_cfg.job.env_set or {}).items()})
     run_job(resumed.cfg, resumed.job, on_accept=resumed.write_hydra_files)
     return 0

@@ -5,7 +5,8 @@
     python -m launcher.export RUN_DIR --checkpoint step_00000020 --out /models/mine
 
 The source is the run's final `model/`, or a ZeRO checkpoint of any stage (`--checkpoint TAG`, or the
-newest complete one when the run has no model/), consolidated with DeepSpeed's own zero_to_fp32. What
+newest complete one when the run has no model/), consolidated with DeepSpeed's own zero_to_fp32, or
+the universal copy a resume on another world size made of one (`--checkpoint universal/TAG`). What
 is written loads with plain transformers (`AutoModelForImageTextToText`, `AutoProcessor`), or for an
 unmerged LoRA adapter with plain peft on its base (`PeftModel.from_pretrained`). `--merge` folds the
 adapters into the base weights and keeps every module trained in full beside them (the projector).
@@ -30,7 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from launcher import universal
 from launcher.errors import LauncherError, TrainingFailed, one_line
+from launcher.reshard import UNIVERSAL_DIR
 from launcher.rundir import RunDir, read_json
 
 log = logging.getLogger("launcher.export")
@@ -189,11 +192,13 @@ def load_source(directory: RunDir, cfg: Any, checkpoint: str | None) -> Source:
             "or one that saved a checkpoint (train.save_every=N)"
         )
     tag_dir = directory.checkpoints / tag
-    if not (tag_dir / checkpoints.MARKER_FILE).is_file():
+    original = tag.removeprefix(f"{UNIVERSAL_DIR}/")  # a universal copy: its original holds the marker
+    complete_copy = tag == original or universal.is_universal(tag_dir)
+    if not (complete_copy and (directory.checkpoints / original / checkpoints.MARKER_FILE).is_file()):
         complete = [t for _, t in checkpoints.complete_tags(directory.checkpoints)] if saved else []
         raise LauncherError(
             f"--checkpoint {tag}: no complete checkpoint of that name in {directory.checkpoints} "
-            f"(complete: {', '.join(complete) or 'none'})"
+            f"(complete: {', '.join(complete) or 'none'}; universal copies: {UNIVERSAL_DIR}/TAG)"
         )
     return _from_checkpoint(directory, cfg, tag, adapters)
 
@@ -223,7 +228,7 @@ def _from_checkpoint(directory: RunDir, cfg: Any, tag: str, adapters: bool) -> S
     from launcher import checkpoint as checkpoints
     from launcher.method import apply_method
 
-    marker = checkpoints.read_marker(directory.checkpoints, tag)
+    marker = checkpoints.read_marker(directory.checkpoints, tag.removeprefix(f"{UNIVERSAL_DIR}/"))
     summary = read_json(directory.summary) if directory.summary.is_file() else {}
     base = marker.get("base_model") or (summary.get("extra") or {}).get("base_model")
     if not base:
@@ -233,9 +238,15 @@ def _from_checkpoint(directory: RunDir, cfg: Any, tag: str, adapters: bool) -> S
         )
     model, processor = _load_fp32(base)
     model = apply_method(model, cfg.method, cfg.model)
-    state = consolidated_state_dict(directory.checkpoints, tag)
+    if universal.is_universal(directory.checkpoints / tag):
+        # Trained parameters only (frozen ones keep the base's values, as in training).
+        trained = {name: param.shape for name, param in model.named_parameters() if param.requires_grad}
+        state = universal.full_state_dict(directory.checkpoints / tag, trained)
+        parameters = set(trained)
+    else:
+        state = consolidated_state_dict(directory.checkpoints, tag)
+        parameters = {name for name, _ in model.named_parameters()}
     missing, unexpected = model.load_state_dict(state, strict=False)
-    parameters = {name for name, _ in model.named_parameters()}
     missing = [name for name in missing if name in parameters]
     if missing or unexpected:
         raise LauncherError(

@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from launcher import checkpoint, credentials
 from launcher.errors import LauncherError, TrainingFailed, one_line, record_rank_error, step_failure
 from launcher.job import CUDA_MEMORY_CAP_ENV, plain
+from launcher.reshard import Reshard, resumed_batches
 from launcher.rundir import RunDir, Summary, read_json
 from launcher.schema import OBJECTIVES
 from launcher.watchdog import StepWatchdog
@@ -286,6 +287,10 @@ def setup(s: Session) -> None:
     cfg, rank = s.cfg, s.rank
     # ds_config.json holds "<redacted>" for credentials: DeepSpeed gets the real values.
     ds_config = credentials.restore(read_json(s.run_dir.ds_config), credentials.of_deepspeed_dict(plain(cfg)))
+    reshard = Reshard.from_json(s.job["reshard"]) if s.job.get("reshard") else None
+    if reshard is not None and reshard.converts and reshard.zero_stage > 0:
+        # A load-time switch only (DeepSpeed reads the checkpoint's universal copy); ds_config.json stays the job's.
+        ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
     _seed_everything(int(cfg.train.seed))
     cache = Path(cfg.cache_dir).expanduser().absolute()
     loaded = load_data(cfg, cache, rank, micro=int(ds_config["train_micro_batch_size_per_gpu"]))
@@ -307,6 +312,12 @@ def setup(s: Session) -> None:
         "model": s.job.get("model"),
         "method": s.job.get("method"),
         "base_model": s.summary.extra["base_model"],  # what an export from this checkpoint rebuilds
+        # What a resume on another world size keeps (launcher.reshard), and what a ZeRO-0 optimizer
+        # state is indexed by (launcher.universal converts it by these names).
+        "global_batch": int(ds_config["train_batch_size"]),
+        "offload_optimizer": (ds_config["zero_optimization"].get("offload_optimizer") or {}).get("device", "none"),
+        "micro_batch": s.micro,
+        "param_names": [name for name, param in s.engine.module.named_parameters() if param.requires_grad],
     }
     resumed_rng = resume(s)
     s.stop = checkpoint.StopRequest(s.run_dir.path)
@@ -556,8 +567,16 @@ def resume(s: Session) -> dict[str, Any] | None:
     tag = s.job.get("resume_tag")
     if not tag:
         return None
-    s.start_step, position, rng = checkpoint.load(s.engine, s.run_dir.path, tag)
+    reshard = Reshard.from_json(s.job["reshard"]) if s.job.get("reshard") else None
+    s.start_step, position, rng = checkpoint.load(s.engine, s.run_dir.path, tag, reshard)
     s.data.position.epoch, s.data.position.batches = position.epoch, position.batches
+    if reshard is not None:
+        s.data.position.batches = resumed_batches(
+            position.batches, reshard.saved_micro_batch, reshard.saved_world_size, s.micro, s.rank.world_size
+        )
+        s.summary.extra["resharded_from"] = reshard.to_json()
+        if s.rank.is_main:
+            log.info("resumed on another shape: %s (global batch %d kept)", reshard.describe(), reshard.global_batch)
     if position.sources is not None:  # a mixture: the same data must resume at the same place in each source
         _check_mixture_position(s, position)
     s.summary.extra["resumed_from_step"] = s.start_step

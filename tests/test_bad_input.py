@@ -345,9 +345,22 @@ CASES = [
         run_dir="old",
     ),
     Case(
-        "resume-other-world-size",
+        "resume-other-precision",
+        ("resume={old}", "precision=bf16"),
+        "cannot resume {old}/checkpoints/step2: the job differs from the one that saved it (precision fp32 -> bf16)",
+        run_dir="old",
+    ),
+    Case(
+        "resume-global-batch-not-kept",
         ("resume={old}", "dist.nproc_per_node=2"),
-        "cannot resume {old}/checkpoints/step2: the job differs from the one that saved it (world_size 1 -> 2)",
+        "the checkpoint's global batch 4 cannot be kept on 2 rank(s) with micro batch 4 (4 is no multiple of "
+        "4 x 2): give train.micro_batch_size=1 or 2",
+        run_dir="old",
+    ),
+    Case(
+        "resume-global-batch-other",
+        ("resume={old}", "dist.nproc_per_node=2", "train.micro_batch_size=2", "train.global_batch_size=8"),
+        "train.global_batch_size=8: a resume keeps the checkpoint's global batch (4); leave it out",
         run_dir="old",
     ),
     Case(

@@ -55,7 +55,8 @@ def test_incompatibilities_name_what_differs():
     old = {"world_size": 2, "zero_stage": 3, "precision": "fp32", "model": {"name": "tiny_llava", "hidden_size": 64}}
     new = {"world_size": 1, "zero_stage": 3, "precision": "fp32", "model": {"name": "tiny_llava", "hidden_size": 128}}
     assert checkpoint.incompatibilities(old, old) == []
-    assert checkpoint.incompatibilities(old, new) == ["world_size 2 -> 1", "model.hidden_size 64 -> 128"]
+    assert checkpoint.incompatibilities(old, new) == ["model.hidden_size 64 -> 128"]  # the shape: launcher.reshard
+    assert checkpoint.incompatibilities(old, {**old, "precision": "bf16"}) == ["precision fp32 -> bf16"]
 
 
 def test_how_the_model_runs_may_change_on_resume_but_not_what_trains():

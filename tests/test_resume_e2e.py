@@ -195,10 +195,10 @@ def test_resume_auto_starts_fresh_then_resumes_and_a_mismatch_is_one_line(run_tr
     assert summary(run_dir)["resumed_from_step"] == 2
     assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3]
 
-    mismatch = run_train(f"resume={run_dir}", "deepspeed=z2", timeout=300)
+    mismatch = run_train(f"resume={run_dir}", "precision=bf16", timeout=300)
     assert mismatch.returncode == 2
     (line,) = [line for line in mismatch.stderr.splitlines() if line.startswith("error:")]
-    assert "zero_stage 0 -> 2" in line
+    assert "precision fp32 -> bf16" in line
 
     missing = run_train(f"resume={tmp_path / 'nothing'}", f"hydra.run.dir={tmp_path / 'new'}", timeout=300)
     assert missing.returncode == 2
