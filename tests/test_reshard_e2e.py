@@ -167,3 +167,10 @@ def test_a_kill_during_the_conversion_leaves_the_original_and_the_next_resume_co
     original, converted = exported.values()
     assert original.keys() == converted.keys()
     assert all(torch.equal(original[name], converted[name]) for name in original)
+
+
+def test_the_uninterrupted_runs_of_both_shapes_agree(run_train, uninterrupted):
+    """So each resume above also repeats the other shape's uninterrupted losses: a step's samples and
+    the global batch are the same on 1 and 2 ranks, at any ZeRO stage."""
+    one, two = (losses(uninterrupted(shape, run_train)) for shape in ("1 rank, ZeRO-0", "2 ranks, ZeRO-3"))
+    assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(one, two, strict=True)), (one, two)
