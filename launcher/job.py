@@ -75,7 +75,7 @@ class JobSpec:
     model: dict[str, Any]  # the model config, as composed
     method: dict[str, Any]  # what trains (the method group), as composed
     resume_tag: str | None = None
-    reshard: dict[str, int] | None = None  # a resume on another world size or ZeRO stage (launcher.reshard)
+    reshard: dict[str, Any] | None = None  # a resume on another world size or ZeRO stage (launcher.reshard)
 
     @property
     def precision(self) -> str:
@@ -86,7 +86,7 @@ class JobSpec:
     def zero_stage(self) -> int:
         return int(self.ds_config["zero_optimization"]["stage"])
 
-    def with_resume(self, tag: str | None, reshard: dict[str, int] | None = None) -> JobSpec:
+    def with_resume(self, tag: str | None, reshard: dict[str, Any] | None = None) -> JobSpec:
         return dataclasses.replace(self, resume_tag=tag, reshard=reshard)
 
     def to_json(self) -> dict[str, Any]:

@@ -563,7 +563,10 @@ def _cached_dataset(s: Session, records: list[dict], cache: Path) -> tuple[Any, 
 def resume(s: Session) -> dict[str, Any] | None:
     """Continue from the checkpoint job.json names: weights, optimizer, scheduler and loss scaler from
     DeepSpeed's files; data position and random-number state from this rank's own file. metrics.jsonl
-    forgets the steps after the checkpoint (they are trained again). Returns the saved random state."""
+    forgets the steps after the checkpoint (they are trained again). Returns the saved random state.
+
+    On another world size or ZeRO stage (job.json's "reshard"): the universal copy, and each rank's data
+    position recomputed from the samples all ranks had drawn (launcher.reshard)."""
     tag = s.job.get("resume_tag")
     if not tag:
         return None

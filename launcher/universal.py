@@ -68,7 +68,7 @@ def ensure_universal(checkpoints: Path, tag: str, saved_stage: int, param_names:
     _normalise(partial)
     done = {"source": str(checkpoints / tag), "source_zero_stage": saved_stage, "seconds": time.time() - started}
     (partial / DONE_FILE).write_text(json.dumps(done))
-    shutil.rmtree(out, ignore_errors=True)  # an incomplete copy of an older launcher
+    shutil.rmtree(out, ignore_errors=True)  # a folder there without the completion file (made by hand?)
     os.replace(partial, out)
     (out.parent / "latest_universal").unlink(missing_ok=True)  # DeepSpeed's pointer: the tag is always given
     return out
