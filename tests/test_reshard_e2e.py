@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,7 @@ from safetensors.torch import load_file
 
 from launcher.checkpoint import checkpoint_damage
 from launcher.universal import DONE_FILE, KILL_CONVERSION_ENV, universal_path
-from tests.conftest import ROOT
+from tests.test_export import export
 from tests.test_sweep_e2e import inspect_summary
 from tests.test_train_e2e import losses, summary
 
@@ -126,7 +124,7 @@ def test_a_run_resumes_on_another_world_size_and_stage_with_the_same_losses(
 
 
 def test_a_kill_during_the_conversion_leaves_the_original_and_the_next_resume_converts_again(
-    run_train, isolated_env, uninterrupted, tmp_path
+    run_train, uninterrupted, tmp_path
 ):
     reference = uninterrupted("2 ranks, ZeRO-3", run_train)
     run_dir = tmp_path / "run"
@@ -154,14 +152,7 @@ def test_a_kill_during_the_conversion_leaves_the_original_and_the_next_resume_co
     exported = {}
     for tag in (f"step{N}", f"universal/step{N}"):
         out = tmp_path / tag.replace("/", "-")
-        done = subprocess.run(
-            [sys.executable, "-m", "launcher.export", str(run_dir), "--checkpoint", tag, "--out", str(out)],
-            cwd=ROOT,
-            env=isolated_env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        done = export(run_dir, "--checkpoint", tag, "--out", str(out))
         assert done.returncode == 0, done.stderr[-3000:]
         exported[tag] = load_file(next(out.glob("*.safetensors")))
     original, converted = exported.values()
