@@ -323,7 +323,9 @@ def run_job(
             # plan is written (other nodes' launchers and SLURM tasks start on the plan).
             convert_for_reshard(run_dir, spec, node_rank=int(cfg.dist.node_rank), wait_s=float(cfg.dist.timeout_s))
         accepted = True
-        if on_accept is not None:
+        if on_accept is not None and not cfg.dry_run:
+            # A dry run of a resume only shows the plan: the run's own command line (.hydra/) stays, or
+            # the next resume would compose dry_run=true back in.
             on_accept()
         secret_env = write_plan(cfg, spec, run_dir)
         if cfg.dry_run:

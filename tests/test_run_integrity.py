@@ -141,6 +141,25 @@ def test_resuming_a_finished_run_leaves_it_as_it_was(run_train, finished, tmp_pa
     assert _files(run) == before  # summary, metrics, checkpoints, model, .hydra: untouched
 
 
+@pytest.mark.slow
+def test_a_dry_run_of_a_resume_leaves_the_runs_command_line_and_the_next_resume_trains(run_train, finished, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    before = _files(run)
+    dry = run_train(f"resume={run}", "train.max_steps=6", "dry_run=true", timeout=300)
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert f"dry run: wrote {run / 'ds_config.json'}; nothing trained" in dry.stderr
+    after = _files(run)
+    assert {name: data for name, data in after.items() if name != "ds_config.json"} == {
+        name: data for name, data in before.items() if name != "ds_config.json"
+    }  # .hydra/, summary, metrics, checkpoints: untouched; the plan shown is written, as a dry run does
+    real = run_train(f"resume={run}", "train.max_steps=6", timeout=600)
+    assert real.returncode == 0, real.stderr[-3000:]
+    assert _summary(run)["steps"] == 6 and _summary(run)["resumed_from_step"] == 4
+
+
 # ----------------------------------------------------------------------------- how a job ends
 def _wait_for(predicate, timeout: float = 300) -> None:
     deadline = time.time() + timeout
