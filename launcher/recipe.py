@@ -179,6 +179,7 @@ class Session:
     throughput: Throughput = field(default_factory=lambda: Throughput(0))
     last_loss: float = math.nan
     in_step: int | None = None  # the training step running now (named in a failure's line)
+    reshard: Reshard | None = None  # a resume on another world size or ZeRO stage (job.json's "reshard")
     nonfinite_in_a_row: int = 0
     eval_metrics: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
@@ -287,7 +288,7 @@ def setup(s: Session) -> None:
     cfg, rank = s.cfg, s.rank
     # ds_config.json holds "<redacted>" for credentials: DeepSpeed gets the real values.
     ds_config = credentials.restore(read_json(s.run_dir.ds_config), credentials.of_deepspeed_dict(plain(cfg)))
-    reshard = Reshard.from_json(s.job["reshard"]) if s.job.get("reshard") else None
+    s.reshard = reshard = Reshard.from_json(s.job["reshard"]) if s.job.get("reshard") else None
     if reshard is not None and reshard.converts and reshard.zero_stage > 0:
         # A load-time switch only (DeepSpeed reads the checkpoint's universal copy); ds_config.json stays the job's.
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
@@ -570,7 +571,7 @@ def resume(s: Session) -> dict[str, Any] | None:
     tag = s.job.get("resume_tag")
     if not tag:
         return None
-    reshard = Reshard.from_json(s.job["reshard"]) if s.job.get("reshard") else None
+    reshard = s.reshard
     s.start_step, position, rng = checkpoint.load(s.engine, s.run_dir.path, tag, reshard)
     s.data.position.epoch, s.data.position.batches = position.epoch, position.batches
     if reshard is not None:

@@ -188,9 +188,9 @@ def read_full(folder: Path, name: str, key: str) -> Any:
     return (value["param"] if isinstance(value, dict) else value).reshape(-1)
 
 
-def load_into_stage0(engine: Any, folder: Path) -> dict[str, Any]:
+def load_into_stage0(engine: Any, folder: Path) -> None:
     """Fill a ZeRO-0 (fp32) engine from a universal folder: weights, Adam moments and step, the
-    scheduler and DeepSpeed's counters. Returns the model-states dict (its client state)."""
+    scheduler and DeepSpeed's counters."""
     import torch
 
     states = torch.load(folder / _STAGE0_STATES, map_location="cpu", weights_only=False)
@@ -218,7 +218,6 @@ def load_into_stage0(engine: Any, folder: Path) -> dict[str, Any]:
     engine.global_steps = int(states.get("global_steps", 0))
     engine.global_samples = int(states.get("global_samples", 0))
     engine.skipped_steps = int(states.get("skipped_steps", 0))
-    return states
 
 
 def full_state_dict(folder: Path, shapes: dict[str, Any]) -> dict[str, Any]:
