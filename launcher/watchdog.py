@@ -65,20 +65,16 @@ class StepWatchdog:
     def step(self, step: int) -> Iterator[None]:
         """Watch the body as step `step`; disarmed when it ends, by returning or by raising."""
         self._mark(step)
-        if self._thread is None:
-            try:
-                yield
-            finally:
-                self._mark(None)
-            return
-        with self._condition:
-            self._armed = (step, time.monotonic() + self.timeout_s)
-            self._condition.notify()
+        if self._thread is not None:
+            with self._condition:
+                self._armed = (step, time.monotonic() + self.timeout_s)
+                self._condition.notify()
         try:
             yield
         finally:
-            with self._condition:
-                self._armed = None  # the thread wakes at the old deadline, finds nothing armed, sleeps on
+            if self._thread is not None:
+                with self._condition:
+                    self._armed = None  # the thread wakes at the old deadline, finds nothing armed, sleeps on
             self._mark(None)
 
     def _mark(self, step: int | None) -> None:
