@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import resource
 import shutil
@@ -99,18 +100,57 @@ def measured(run_once: Any, limit: float, attempts: int = 3) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- running contenders
-def run_watched(command: list[str], watch: Path, log: Path, timeout: float) -> tuple[list[float], float]:
-    """Run `command`; the perf_counter time at which each new line of `watch` was seen, and the share
-    of the CPU other processes used meanwhile (ForeignLoad).
+def process_cpu_seconds(process: Any) -> float:
+    """User + system CPU seconds of one psutil.Process (0 once it is gone)."""
+    import psutil
+
+    try:
+        times = process.cpu_times()
+    except psutil.NoSuchProcess:
+        return 0.0
+    return times.user + times.system
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) a process and its living descendants have used: a contender's whole
+    cost (launcher, ranks, DataLoader workers, W&B's service process)."""
+    import psutil
+
+    total = 0.0
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return math.nan
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = process.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def run_watched(
+    command: list[str],
+    watch: Path,
+    log: Path,
+    timeout: float,
+    *,
+    env: dict[str, str] | None = None,
+    cpu_window: tuple[int, int] | None = None,
+) -> tuple[list[float], float, float]:
+    """Run `command`; the perf_counter time at which each new line of `watch` was seen, the share of
+    the CPU other processes used meanwhile (ForeignLoad), and the process tree's CPU seconds between
+    the moments `watch` reached cpu_window's two line counts (NaN without a window).
 
     Polls the file's size every millisecond. Raises RuntimeError (with the log's tail) on failure.
     """
     seen: list[float] = []
     size = 0
+    marks: dict[int, float] = {}
     started = time.perf_counter()
     load = ForeignLoad()
     with open(log, "w") as log_file:
-        process = subprocess.Popen(command, cwd=ROOT, env=bench_env(), stdout=log_file, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, cwd=ROOT, env=env or bench_env(), stdout=log_file, stderr=subprocess.STDOUT)
         try:
             while process.poll() is None:
                 try:
@@ -124,6 +164,9 @@ def run_watched(command: list[str], watch: Path, log: Path, timeout: float) -> t
                         chunk = handle.read(now_size - size)
                     seen.extend([now] * chunk.count(b"\n"))
                     size += len(chunk)
+                    for mark in cpu_window or ():
+                        if mark not in marks and len(seen) >= mark:
+                            marks[mark] = tree_cpu_seconds(process.pid)
                 if time.perf_counter() - started > timeout:
                     raise RuntimeError(f"{' '.join(command)} ran past {timeout:.0f} s")
                 time.sleep(0.001)
@@ -134,24 +177,41 @@ def run_watched(command: list[str], watch: Path, log: Path, timeout: float) -> t
     if process.returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
         raise RuntimeError(f"{' '.join(command)} exited with {process.returncode}:\n{tail}")
-    return seen, load.share()
+    tree_cpu = math.nan
+    if cpu_window and len(marks) == 2:
+        first, last = cpu_window
+        tree_cpu = (marks[last] - marks[first]) / (last - first)
+    return seen, load.share(), tree_cpu
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def run_train_py(run_dir: Path, steps: int, extra: list[str], timeout: float = 900) -> dict[str, Any]:
+def run_train_py(
+    run_dir: Path,
+    steps: int,
+    extra: list[str],
+    timeout: float = 900,
+    *,
+    env: dict[str, str] | None = None,
+    cpu_window: tuple[int, int] | None = None,
+) -> dict[str, Any]:
     """One fresh `python train.py` run; its per-step times, metrics-line times and summary."""
     command = [sys.executable, "train.py", f"hydra.run.dir={run_dir}", f"train.max_steps={steps}", *QUIET_JOB, *extra]
     shutil.rmtree(run_dir, ignore_errors=True)  # a run again must not append to an earlier metrics.jsonl
     run_dir.mkdir(parents=True)
     log = run_dir.parent / f"{run_dir.name}.log"
-    line_times, foreign = run_watched(command, run_dir / "metrics.jsonl", log, timeout)
+    line_times, foreign, tree_cpu = run_watched(
+        command, run_dir / "metrics.jsonl", log, timeout, env=env, cpu_window=cpu_window
+    )
     metrics = read_metrics(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     return {
         "step_times": [m["perf/step_time_s"] for m in metrics],
+        "step_cpu": [m.get("perf/step_cpu_s", math.nan) for m in metrics],
+        "step_thread_cpu": [m.get("perf/step_main_thread_cpu_s", math.nan) for m in metrics],
+        "tree_cpu_per_step": tree_cpu,
         "step_ends": line_times,
         "loss": [m["train/loss"] for m in metrics],
         "peak_bytes": summary["peak_memory_bytes"],
@@ -160,12 +220,30 @@ def run_train_py(run_dir: Path, steps: int, extra: list[str], timeout: float = 9
     }
 
 
-def run_worker(flag: str, ref_run: Path, out: Path, steps: int, extra: list[str], timeout: float = 900) -> dict:
-    """Run the running script's worker mode `flag` in a fresh process, under the same poller as train.py."""
+def run_worker(
+    flag: str,
+    ref_run: Path,
+    out: Path,
+    steps: int,
+    extra: list[str],
+    timeout: float = 900,
+    *,
+    launcher: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    cpu_window: tuple[int, int] | None = None,
+) -> dict:
+    """Run the running script's worker mode `flag` in a fresh process (under `launcher`, e.g. torchrun,
+    when given), under the same poller as train.py; the worker may write a line per step to
+    `out`.steps for the poller to see."""
     script = Path(sys.argv[0]).resolve()
-    command = [sys.executable, str(script), flag, str(ref_run), "--out", str(out), "--steps", str(steps), *extra]
-    _, foreign = run_watched(command, out.with_suffix(".never"), out.with_suffix(".log"), timeout)
-    return {**json.loads(out.read_text()), "foreign_cpu": foreign}
+    command = [*(launcher or [sys.executable]), str(script), flag, str(ref_run), "--out", str(out)]
+    command += ["--steps", str(steps), *extra]
+    out.with_suffix(".steps").unlink(missing_ok=True)
+    line_times, foreign, tree_cpu = run_watched(
+        command, out.with_suffix(".steps"), out.with_suffix(".log"), timeout, env=env, cpu_window=cpu_window
+    )
+    timings = json.loads(out.read_text())
+    return {**timings, "foreign_cpu": foreign, "tree_cpu_per_step": tree_cpu, "line_ends": line_times}
 
 
 # ----------------------------------------------------------------------------- a worker process
@@ -258,11 +336,14 @@ def run_interleaved(
     worker_name: str,
     worker_extra: list[str],
     progress: Callable[[dict[str, Any], float], str],
+    train_kwargs: dict[str, Any] | None = None,
+    worker_kwargs: dict[str, Any] | None = None,
 ) -> float:
     """`args.repeats` runs of train.py (A) and of the worker (B) in interleaved order; seconds in all.
 
     Each run's timings go to `work`/train_py_I.json or `work`/`worker_name`_I.json; the worker trains
-    on what train_py_0 wrote. `progress(run, seconds so far)` says on stderr how each run went."""
+    on what train_py_0 wrote. `progress(run, seconds so far)` says on stderr how each run went.
+    `train_kwargs` and `worker_kwargs` go to run_train_py and run_worker."""
     counts = {"A": 0, "B": 0}
     started = time.perf_counter()
     for contender in interleaved_order(args.repeats):
@@ -271,13 +352,17 @@ def run_interleaved(
         if contender == "A":
             out = work / f"train_py_{index}.json"
             run = measured(
-                lambda i=index: run_train_py(work / f"train_py_{i}", args.steps, args.overrides),
+                lambda i=index: run_train_py(
+                    work / f"train_py_{i}", args.steps, args.overrides, **(train_kwargs or {})
+                ),
                 args.max_foreign_cpu,
             )
         else:
             out = work / f"{worker_name}_{index}.json"
             run = measured(
-                lambda out=out: run_worker(worker_flag, work / "train_py_0", out, args.steps, worker_extra),
+                lambda out=out: run_worker(
+                    worker_flag, work / "train_py_0", out, args.steps, worker_extra, **(worker_kwargs or {})
+                ),
                 args.max_foreign_cpu,
             )
         out.write_text(json.dumps(run))

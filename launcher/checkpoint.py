@@ -385,13 +385,10 @@ class StopRequest:
     def _handle(self, signum: int, _frame: Any) -> None:
         self.signal_name = signal.Signals(signum).name
 
-    def agreed(self, device: torch.device) -> bool:
-        """True on every rank when any rank was asked to stop (one tiny all-reduce per step)."""
-        wanted = self.signal_name is not None or self.stop_file.exists()
-        flag = torch.tensor([1 if wanted else 0], dtype=torch.int32, device=device)
-        if torch.distributed.get_world_size() > 1:
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item())
+    def wanted(self) -> bool:
+        """Whether this rank was asked to stop. The ranks agree on it in the step's one all-reduce
+        (recipe.train_step), so that all stop after the same step."""
+        return self.signal_name is not None or self.stop_file.exists()
 
     def reason(self) -> str:
         return self.signal_name or ("signal forwarded by the launcher" if self.stop_file.exists() else "unknown")

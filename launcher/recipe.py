@@ -37,8 +37,9 @@ from launcher import checkpoint, credentials
 from launcher.errors import LauncherError, TrainingFailed, one_line, record_rank_error, step_failure
 from launcher.job import CUDA_MEMORY_CAP_ENV, plain
 from launcher.reshard import Reshard, resumed_batches
-from launcher.rundir import RunDir, Summary, read_json
+from launcher.rundir import MetricsWriter, RunDir, Summary, read_json
 from launcher.schema import OBJECTIVES
+from launcher.wandb_logger import HistoryWindow
 from launcher.watchdog import StepWatchdog
 
 log = logging.getLogger("launcher")
@@ -101,9 +102,10 @@ def _quiet_libraries() -> None:
 
 
 def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    if torch.distributed.get_world_size() == 1:
+        return list(values)
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    if torch.distributed.get_world_size() > 1:
-        torch.distributed.all_reduce(tensor)
+    torch.distributed.all_reduce(tensor)
     return tensor.tolist()
 
 
@@ -157,6 +159,24 @@ class Throughput:
         return what / self.seconds if self.seconds else None
 
 
+class CpuClock:
+    """CPU seconds this rank used per loop iteration: its whole process (every thread: torch's
+    intra-op pool, W&B's, the watchdog) and its main thread alone. DataLoader workers are other processes.
+
+    Each lap covers one full iteration (the step, and the previous step's metrics, logging and stop
+    check), so what the launcher adds around the step is in it. Other processes on the machine disturb
+    CPU time far less than wall time: this is the figure to compare loops by (bench/overhead.py)."""
+
+    def __init__(self) -> None:
+        self.process, self.thread = time.process_time(), time.thread_time()
+
+    def lap(self) -> dict[str, float]:
+        process, thread = time.process_time(), time.thread_time()
+        lap = {"perf/step_cpu_s": process - self.process, "perf/step_main_thread_cpu_s": thread - self.thread}
+        self.process, self.thread = process, thread
+        return lap
+
+
 @dataclass
 class Session:
     """Everything `setup` builds and the steps use."""
@@ -178,6 +198,10 @@ class Session:
     checkpoint_meta: dict[str, Any] = field(default_factory=dict)
     throughput: Throughput = field(default_factory=lambda: Throughput(0))
     last_loss: float = math.nan
+    metrics_file: MetricsWriter | None = None  # rank 0's metrics.jsonl, open for the run
+    history: HistoryWindow | None = None  # which steps W&B's history gets (rank 0, when logging)
+    grad_norm: GradNormSource | None = None
+    stop_agreed: bool = False  # some rank was asked to stop: all stop after this step
     in_step: int | None = None  # the training step running now (named in a failure's line)
     reshard: Reshard | None = None  # a resume on another world size or ZeRO stage (job.json's "reshard")
     nonfinite_in_a_row: int = 0
@@ -228,6 +252,7 @@ def train(cfg: DictConfig, run_dir: Path) -> Summary:
             launch=job.get("launch_id"),
             announce=cfg.dist.launcher == "slurm",
         )
+        cpu = CpuClock()
         for step in range(session.start_step + 1, int(cfg.train.max_steps) + 1):
             session.in_step = step
             with watchdog.step(step):
@@ -235,8 +260,9 @@ def train(cfg: DictConfig, run_dir: Path) -> Summary:
             session.in_step = None
             if evaluation_due(cfg, step):
                 metrics.update(evaluate(session))
+            metrics.update(cpu.lap())
             record(session, step, metrics)
-            if session.stop.agreed(place.device) and step < int(cfg.train.max_steps):
+            if session.stop_agreed and step < int(cfg.train.max_steps):
                 stopped_at = step
                 break
             if cfg.train.save_every and step % cfg.train.save_every == 0 and step < int(cfg.train.max_steps):
@@ -247,6 +273,8 @@ def train(cfg: DictConfig, run_dir: Path) -> Summary:
     finally:
         if watchdog is not None:
             watchdog.close()
+        if session is not None and session.metrics_file is not None:
+            session.metrics_file.close()
         # Without this, rank 0 aborts at exit ("terminate called without an active exception").
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -274,6 +302,8 @@ def _failed(
         with contextlib.suppress(OSError):
             run_dir.write_summary(summary)
         if session is not None and session.logger is not None:
+            with contextlib.suppress(Exception):
+                _flush_history(session)
             session.logger.finish(summary.to_json(), exit_code=1)
     if isinstance(err, LauncherError | KeyboardInterrupt):
         return err
@@ -301,6 +331,7 @@ def setup(s: Session) -> None:
 
     s.engine, _, _, s.scheduler = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config)
     s.dtype = _engine_dtype(s.engine)
+    s.grad_norm = GradNormSource(s.engine)
     s.summary.zero_stage = s.engine.zero_optimization_stage()
     s.summary.world_size = rank.world_size
     s.summary.precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(s.dtype, "fp32")
@@ -323,6 +354,9 @@ def setup(s: Session) -> None:
     resumed_rng = resume(s)
     s.stop = checkpoint.StopRequest(s.run_dir.path)
     s.logger = _start_logger(s, ds_config) if rank.is_main else None
+    if rank.is_main:
+        s.metrics_file = s.run_dir.metrics_writer()  # after resume(), which drops the lines of later steps
+        s.history = HistoryWindow(int(cfg.logger.log_every)) if s.logger is not None else None
     s.progress = _Progress(rank.is_main, int(cfg.train.max_steps), int(cfg.train.log_every))
     s.throughput = Throughput(skip_steps=min(5, int(cfg.train.max_steps) // 5))
     if resumed_rng is not None:  # last: nothing in setup may draw from the restored generators
@@ -620,12 +654,14 @@ def train_step(s: Session, step: int) -> dict[str, float]:
         tokens += float(batch["attention_mask"].sum())
         loss = engine(**_to_device(batch, device, s.dtype)).loss
         engine.backward(loss)
-        if engine.is_gradient_accumulation_boundary():
+        if s.grad_norm.computed_here and engine.is_gradient_accumulation_boundary():
             grad_norm = _unpartitioned_grad_norm(engine)
         engine.step()
         loss_sum += float(loss.detach())
     _inject_fault(s.rank.rank, step)
-    loss_sum, tokens = _all_reduce_sum([loss_sum, tokens], device)
+    # One collective per step: the loss and tokens summed over ranks, and whether any rank was asked to stop.
+    loss_sum, tokens, stop_votes = _all_reduce_sum([loss_sum, tokens, float(s.stop.wanted())], device)
+    s.stop_agreed = stop_votes > 0
     step_loss = loss_sum / (s.accum * s.rank.world_size)
     _check_finite(s, step, step_loss)
     step_time = time.perf_counter() - step_start
@@ -635,7 +671,7 @@ def train_step(s: Session, step: int) -> dict[str, float]:
     metrics = {
         "train/loss": step_loss,
         "train/lr": float(s.scheduler.get_last_lr()[0]) if s.scheduler else float(engine.get_lr()[0]),
-        "train/grad_norm": _grad_norm(engine, grad_norm),
+        "train/grad_norm": _grad_norm(engine, s.grad_norm.take(grad_norm)),
         "perf/samples_per_sec": samples / step_time,
         "perf/tokens_per_sec": tokens / step_time,
         "perf/step_time_s": step_time,
@@ -691,12 +727,18 @@ def _inject_fault(rank: int, step: int) -> None:
 
 
 def record(s: Session, step: int, metrics: dict[str, float]) -> None:
-    """Metrics to metrics.jsonl and W&B (rank 0), and the progress line."""
+    """Metrics to metrics.jsonl (every step) and W&B (a row per logger.log_every steps) on rank 0; progress."""
     if s.rank.is_main:
-        s.run_dir.append_metrics({"step": step, **metrics})
-        if s.logger is not None:
-            s.logger.log(metrics, step=step)
+        s.metrics_file.write({"step": step, **metrics})
+        if s.history is not None and (row := s.history.add(step, metrics)) is not None:
+            s.logger.log(row, step=step)
     s.progress.update(step, metrics)
+
+
+def _flush_history(s: Session) -> None:
+    """W&B's row of the steps since its last one (a run that ends between rows)."""
+    if s.history is not None and (row := s.history.flush()) is not None:
+        s.logger.log(row, step=s.history.step)
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -784,6 +826,7 @@ def finish(s: Session, stopped_at: int | None) -> Summary:
     if s.rank.is_main:
         s.run_dir.write_summary(summary)
         if s.logger is not None:
+            _flush_history(s)
             s.logger.finish(summary.to_json(), exit_code=0)
         _print_final_table(summary, s.run_dir)
     return summary
@@ -865,6 +908,39 @@ def _unpartitioned_grad_norm(engine: Any) -> float:
     return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)), dtype=torch.float64))
 
 
+class GradNormSource:
+    """Where train/grad_norm comes from at ZeRO stage 0 in fp32, the one case DeepSpeed keeps no norm
+    (engine.get_global_grad_norm() serves the others).
+
+    With clipping on, DeepSpeed computes the norm to clip by (engine.clip_fp32_gradients calls
+    deepspeed.runtime.utils.clip_grad_norm_, which returns it) and drops it: this engine's
+    clip_fp32_gradients makes the same call and keeps the result, so the metric costs nothing (a second
+    pass over the gradients cost ~1% of a small model's step). Without clipping the launcher computes
+    the norm before the optimizer step (`computed_here`)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.computed_here = False
+        self._kept: Any = None
+        if engine.zero_optimization_stage() != 0 or _engine_dtype(engine) != torch.float32:
+            return
+        if engine.gradient_clipping() > 0 and hasattr(engine, "clip_fp32_gradients"):
+            from deepspeed.runtime.utils import clip_grad_norm_
+
+            def clip_and_keep_norm() -> None:
+                self._kept = clip_grad_norm_(
+                    parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(), mpu=engine.mpu
+                )
+
+            engine.clip_fp32_gradients = clip_and_keep_norm
+        else:
+            self.computed_here = True
+
+    def take(self, computed: float) -> float:
+        """This step's norm: the one DeepSpeed's clipping kept, else `computed` (NaN when there is none)."""
+        kept, self._kept = self._kept, None
+        return computed if kept is None else float(kept)
+
+
 def _grad_norm(engine: Any, fallback: float) -> float:
     norm = engine.get_global_grad_norm()
     if norm is None:
@@ -900,8 +976,8 @@ class _Progress:
             return
         text = f"loss {metrics['train/loss']:.4f} | {metrics['perf/samples_per_sec']:.1f} samples/s"
         if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)  # update() redraws, at most every 0.1 s
             self.bar.update(1)
-            self.bar.set_postfix_str(text)
         elif step % self.log_every == 0 or step == 1:
             log.info("step %d/%d | %s | lr %.2e", step, self.total, text, metrics["train/lr"])
 

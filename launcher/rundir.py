@@ -138,8 +138,34 @@ class RunDir:
         write_json_atomic(self.summary, summary.to_json())
 
     def append_metrics(self, record: dict[str, Any]) -> None:
-        with open(self.metrics, "a") as handle:
-            handle.write(json.dumps(finite(record), allow_nan=False) + "\n")
+        with self.metrics_writer() as writer:
+            writer.write(record)
+
+    def metrics_writer(self) -> MetricsWriter:
+        """metrics.jsonl opened once for appending (training writes a line per step)."""
+        return MetricsWriter(self.metrics)
+
+
+class MetricsWriter:
+    """Appends one JSON line per record and flushes it: a reader (or a crash) sees whole lines only.
+
+    Kept open for the run: opening and closing the file per step cost ~0.2 ms, about 1% of a tiny step."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = open(path, "a")  # noqa: SIM115 (closed by close(), or as a context manager)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(finite(record), allow_nan=False) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
 
 
 @dataclass

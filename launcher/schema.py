@@ -283,6 +283,8 @@ class LoggerConfig:
     # auto: online when logged in, offline (inside the run directory) otherwise.
     mode: LoggerMode = LoggerMode.auto
     tags: list[str] = field(default_factory=list)
+    # Steps between W&B history rows, each the mean over its steps (metrics.jsonl keeps every step).
+    log_every: int = 10
 
 
 @dataclass

@@ -112,6 +112,7 @@ def check_knobs(cfg: DictConfig) -> None:
     if dist.master_port is not None and not 1 <= int(dist.master_port) <= 65535:
         raise LauncherError(f"dist.master_port={dist.master_port} must be a TCP port in [1, 65535]")
     _at_least(train, "keep_checkpoints", 1, "train")
+    _at_least(cfg.logger, "log_every", 1, "logger")
     _at_least(train, "max_nonfinite_steps", 0, "train")
     if not 0 <= int(train.seed) < 2**32:
         raise LauncherError(f"train.seed={train.seed} must lie in [0, 2**32) (NumPy's seed range)")

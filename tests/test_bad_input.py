@@ -230,6 +230,7 @@ CASES = [
         "dist.step_timeout_s=-5.0 must be a number of seconds, or 0 (or null) for no watchdog",
     ),
     Case("max-image-pixels-zero", ("data.max_image_pixels=0",), "data.max_image_pixels=0 must be positive"),
+    Case("wandb-log-every-zero", ("logger.log_every=0",), "logger.log_every=0 must be positive"),
     Case(
         "optimizer-parameter-unknown",
         ("+deepspeed_extra.optimizer.params.momentum=0.9",),
