@@ -124,8 +124,8 @@ def hand_loop(ref_run: Path, steps: int, out: Path) -> None:
         hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841 (transformers reads it while loading)
     model, processor = load_model_and_processor(model_dir)
     model.config.use_cache = False  # no KV cache while training, as the recipe sets
-    # The data cache train.py built (named by what it holds: records, processor, model), which the
-    # reference run may still be using (--alternate: it has written no summary yet).
+    # The data cache train.py built (named by what it holds: records, processor, model). Found by its
+    # key, not from summary.json: in alternating blocks the reference run is still training.
     base_model = str(Path(model_dir).resolve()) if Path(model_dir).is_dir() else str(model_dir)
     cache_root = Path(cfg.cache_dir).expanduser().absolute() / "data_cache"
     dataset = CachedDataset(cache_root / cache_key(records, processor, base_model))
