@@ -97,7 +97,7 @@ def check_knobs(cfg: DictConfig) -> None:
     _at_least(data, "max_new_tokens", 1, "data")
     if data.synthetic:
         _at_least(data, "n_train", 1, "data")
-        _at_least(data, "n_eval", 0, "data")
+        _at_least(data, "n_eval", 1, "data")  # an empty held-out file is refused when read
         _at_least(data, "image_size", 8, "data")
         _at_least(data, "seed", 0, "data")
     _at_least(dist, "nproc_per_node", 1, "dist")

@@ -231,6 +231,7 @@ CASES = [
     ),
     Case("max-image-pixels-zero", ("data.max_image_pixels=0",), "data.max_image_pixels=0 must be positive"),
     Case("wandb-log-every-zero", ("logger.log_every=0",), "logger.log_every=0 must be positive"),
+    Case("synthetic-eval-set-empty", ("data.n_eval=0",), "data.n_eval=0 must be positive"),
     Case(
         "optimizer-parameter-unknown",
         ("+deepspeed_extra.optimizer.params.momentum=0.9",),
