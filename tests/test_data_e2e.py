@@ -179,10 +179,13 @@ def test_a_weighted_mixture_draws_by_weight_and_resumes_bitwise(run_train, isola
     assert metrics(reference)[-1]["data/samples_main"] == dealt[0]
 
     run_dir = tmp_path / "run"
-    process = start(run_dir, [*args, "train.save_every=4"], isolated_env)
+    # Step 6 hangs (the test's fault hook), so the kill cannot come too late: these steps take
+    # milliseconds, and the run could otherwise finish between two looks at its metrics.
+    hang = {**isolated_env, "LAUNCHER_TEST_FAULT": "0:6:hang"}
+    process = start(run_dir, [*args, "train.save_every=4"], hang)
     wait_for(process, lambda: last_step(run_dir) >= 5 and latest(run_dir) == "step4")
     kill_group(process)
-    assert last_step(run_dir) < 8
+    assert last_step(run_dir) == 5
     result = run_train(f"resume={run_dir}", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert summary(run_dir)["resumed_from_step"] == 4
