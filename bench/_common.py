@@ -116,17 +116,12 @@ def tree_cpu_seconds(pid: int) -> float:
     cost (launcher, ranks, DataLoader workers, W&B's service process)."""
     import psutil
 
-    total = 0.0
     try:
         root = psutil.Process(pid)
         processes = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return math.nan
-    for process in processes:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            times = process.cpu_times()
-            total += times.user + times.system
-    return total
+    return sum(process_cpu_seconds(process) for process in processes)
 
 
 def run_watched(

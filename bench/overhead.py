@@ -287,13 +287,13 @@ def run_block(contender: Contender, seconds: float) -> dict[str, float]:
     The first step finished in a block began before the pause that ended the previous block: its wall
     holds the pause and its caches were cold, so it is left out of the per-step figures (CPU clocks
     stop while paused). Tree CPU is the tree's CPU seconds over the block per step finished."""
-    tree_before = sum(common.process_cpu_seconds(p) for p in contender.tree())
+    tree_before = common.tree_cpu_seconds(contender.process.pid)
     contender.signal(signal.SIGCONT)
     time.sleep(seconds)
     contender.signal(signal.SIGSTOP)
     time.sleep(0.05)  # the signal is delivered at once; let a line being written land
     lines = contender.read()
-    tree_after = sum(common.process_cpu_seconds(p) for p in contender.tree())
+    tree_after = common.tree_cpu_seconds(contender.process.pid)
     if len(lines) < 3:
         raise RuntimeError(
             f"{contender.name} finished {len(lines)} steps in a {seconds} s block: use a longer --block-s"

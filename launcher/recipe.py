@@ -896,12 +896,10 @@ def _engine_dtype(engine: Any) -> torch.dtype:
 
 
 def _unpartitioned_grad_norm(engine: Any) -> float:
-    """Gradient norm at ZeRO stage 0 in fp32, where DeepSpeed clips but does not keep the norm.
+    """Gradient norm at ZeRO stage 0 in fp32 without clipping (GradNormSource.computed_here decides).
 
     Gradients are already all-reduced at the accumulation boundary, so the local norm is global.
     One fused per-tensor norm call: a Python loop over the parameters cost ~1% of a tiny model's step."""
-    if engine.zero_optimization_stage() != 0 or _engine_dtype(engine) != torch.float32:
-        return math.nan
     grads = [p.grad.detach() for p in engine.module.parameters() if p.grad is not None]
     if not grads:
         return math.nan
