@@ -6,10 +6,15 @@
 # Tunes a tiny-llava of about 1B parameters (hidden 2048, 16 layers) on one GPU with a 24 GiB budget:
 # the ranks' CUDA allocator is capped there (launcher.tune sets LAUNCHER_CUDA_MEMORY_GB), so large
 # micro batches without checkpointing end in a real CUDA out-of-memory error, recorded as "does not
-# fit". Needs the GPU check's environment (issue 17: hydra, deepspeed and the rest carried as wheels).
+# fit". On a machine without the project's packages, carry .whl (bench/device_wheels.sh, docs/gpu.md):
+# they are installed first, as bench/device_check.py does.
 # tune.md/tune.csv/tune.png/results.json are copied to $OUT after every candidate (and at the end), so
 # a run stopped at the time limit still brings back what it measured.
 set -u
+if compgen -G ".whl/*.whl" > /dev/null; then
+  eval "$(bash bench/device_install.sh /tmp/device_check_site | grep '^export PYTHONPATH=')" || exit 1
+fi
+export DS_SKIP_CUDA_CHECK=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-outputs/bench/tune_gpu}
 DIR=outputs/bench/tune_gpu/run-$(date +%H%M%S)
 mkdir -p "$OUT"

@@ -81,6 +81,10 @@ class RunRow:
     samples_per_sec: float | None = None
     tokens_per_sec: float | None = None
     peak_memory_bytes: int | None = None
+    """A GPU run's peak reserved device memory; a CPU run's peak resident set (launcher.device_memory)."""
+    host_memory_bytes: int | None = None
+    """A GPU run's peak host resident set (where offloaded states live); None on a CPU (peak_memory_bytes)."""
+    pinned_host_bytes: int | None = None
     wall_s: float | None = None
     error: str | None = None
     curve: list[tuple[int, float]] = field(default_factory=list)
@@ -268,6 +272,10 @@ def build_row(
     choices_known = bool(choices)
     steps = pick("steps", "step")
     peak = pick("peak_memory_bytes", "mem/peak_bytes")
+    memory = summary.get("memory") if isinstance(summary.get("memory"), Mapping) else {}
+    pinned = _number(memory.get("pinned_host_bytes", last.get("mem/pinned_host_bytes")))
+    gpu = pinned is not None or "device_used_bytes" in memory or "mem/device_used_bytes" in last
+    host = _number(memory.get("host_peak_bytes", last.get("mem/host_peak_bytes"))) if gpu else None
     error = summary.get("error")
     return RunRow(
         name=str(name),
@@ -282,6 +290,8 @@ def build_row(
         samples_per_sec=pick("samples_per_sec", "perf/samples_per_sec"),
         tokens_per_sec=pick("tokens_per_sec", "perf/tokens_per_sec"),
         peak_memory_bytes=int(peak) if peak is not None else None,
+        host_memory_bytes=int(host) if host is not None else None,
+        pinned_host_bytes=int(pinned) if pinned is not None else None,
         wall_s=_number(summary.get("wall_s")),
         error=str(error).strip().splitlines()[0] if error else None,
         curve=sorted(curve),
@@ -374,9 +384,24 @@ _NUMERIC_HEADERS = (
 )
 
 
+def _host_cell(row: RunRow) -> str:
+    if row.host_memory_bytes is None:
+        return "-"
+    pinned = f" ({human_bytes(row.pinned_host_bytes)} pinned)" if row.pinned_host_bytes else ""
+    return human_bytes(row.host_memory_bytes) + pinned
+
+
+def _numeric_headers(rows: Sequence[RunRow]) -> tuple[str, ...]:
+    """GPU runs add the host's memory beside the device's: an offload preset moves bytes, not saves them."""
+    if any(row.host_memory_bytes is not None for row in rows):
+        return (*_NUMERIC_HEADERS[:-1], "host mem", _NUMERIC_HEADERS[-1])
+    return _NUMERIC_HEADERS
+
+
 def table(rows: Sequence[RunRow], keys: Sequence[str]) -> tuple[list[str], list[list[str]]]:
     """Headers and formatted cells of the comparison table (rows already sorted)."""
-    headers = ["run", *keys, "status", *_NUMERIC_HEADERS]
+    host = "host mem" in _numeric_headers(rows)
+    headers = ["run", *keys, "status", *_numeric_headers(rows)]
     cells = [
         [
             row.name,
@@ -389,6 +414,7 @@ def table(rows: Sequence[RunRow], keys: Sequence[str]) -> tuple[list[str], list[
             _fmt(row.samples_per_sec, 1),
             _fmt(row.tokens_per_sec, 0),
             human_bytes(row.peak_memory_bytes),
+            *([_host_cell(row)] if host else []),
             human_seconds(row.wall_s),
         ]
         for row in rows
@@ -400,7 +426,7 @@ def render_text(rows: Sequence[RunRow], keys: Sequence[str]) -> str:
     """The table for the terminal, numbers right-aligned, then failed runs with their error line."""
     headers, cells = table(rows, keys)
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
-    first_numeric = len(headers) - len(_NUMERIC_HEADERS)
+    first_numeric = len(headers) - len(_numeric_headers(rows))
 
     def line(values: Sequence[str]) -> str:
         return "  ".join(
@@ -424,13 +450,19 @@ def _md_cell(text: str) -> str:
 def render_markdown(rows: Sequence[RunRow], keys: Sequence[str], title: str, image: str | None) -> str:
     """compare.md: the table, how it is sorted, the failed and incomplete runs, the picture."""
     headers, cells = table(rows, keys)
-    first_numeric = len(headers) - len(_NUMERIC_HEADERS)
+    first_numeric = len(headers) - len(_numeric_headers(rows))
     align = ["---:" if i >= first_numeric else "---" for i in range(len(headers))]
     lines = [
         f"# Run comparison: {title}",
         "",
         f"{_count(rows)}, sorted by samples/s (highest first), failed runs last."
-        + (f" Columns between run and status: the settings that differ ({', '.join(keys)})." if keys else ""),
+        + (f" Columns between run and status: the settings that differ ({', '.join(keys)})." if keys else "")
+        + (
+            " peak mem: a GPU run's peak device memory reserved by torch's allocator (a CPU run's peak resident"
+            " set); host mem: a GPU run's peak host resident set, with its page-locked part (offloaded states)."
+            if "host mem" in headers
+            else ""
+        ),
         "",
         "| " + " | ".join(_md_cell(h) for h in headers) + " |",
         "| " + " | ".join(align) + " |",
@@ -460,6 +492,8 @@ _CSV_FIELDS = (
     "samples_per_sec",
     "tokens_per_sec",
     "peak_memory_bytes",
+    "host_memory_bytes",
+    "pinned_host_bytes",
     "wall_s",
     "error",
     "source",

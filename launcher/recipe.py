@@ -18,7 +18,6 @@ import logging
 import math
 import os
 import random
-import resource
 import shutil
 import sys
 import time
@@ -33,7 +32,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from launcher import checkpoint, credentials
+from launcher import checkpoint, credentials, device_memory, ops
+from launcher.device_memory import MemoryMeter
 from launcher.errors import LauncherError, TrainingFailed, one_line, record_rank_error, step_failure
 from launcher.job import CUDA_MEMORY_CAP_ENV, plain
 from launcher.reshard import Reshard, resumed_batches
@@ -201,6 +201,7 @@ class Session:
     metrics_file: MetricsWriter | None = None  # rank 0's metrics.jsonl, open for the run
     history: HistoryWindow | None = None  # which steps W&B's history gets (rank 0, when logging)
     grad_norm: GradNormSource | None = None
+    memory: MemoryMeter | None = None
     stop_agreed: bool = False  # some rank was asked to stop: all stop after this step
     in_step: int | None = None  # the training step running now (named in a failure's line)
     reshard: Reshard | None = None  # a resume on another world size or ZeRO stage (job.json's "reshard")
@@ -329,7 +330,12 @@ def setup(s: Session) -> None:
     trainable = [p for p in model.parameters() if p.requires_grad]
     import deepspeed
 
+    fallback = ops.optimizer_fallback(ds_config)  # on every rank: each loads (or builds) the op itself
+    if fallback and rank.is_main:
+        log.warning(fallback)
     s.engine, _, _, s.scheduler = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config)
+    s.summary.extra["optimizer"] = type(getattr(s.engine, "basic_optimizer", None) or s.engine.optimizer).__name__
+    s.memory = MemoryMeter(rank.device)
     s.dtype = _engine_dtype(s.engine)
     s.grad_norm = GradNormSource(s.engine)
     s.summary.zero_stage = s.engine.zero_optimization_stage()
@@ -522,6 +528,8 @@ def setup_data(s: Session, loaded: Any, cache: Path) -> Data:
         "num_workers": workers,
         "persistent_workers": workers > 0,
         "worker_init_fn": _die_with_rank,  # no DataLoader worker outlives a rank killed by a signal
+        # Page-locked batches copy to a GPU asynchronously (`_to_device` uses non_blocking=True).
+        "pin_memory": rank.device.type == "cuda",
     }
     # Each loader draws its workers' seed from a generator of its own, not from the global one (whose
     # restored state a resumed run's extra draws would shift): see checkpoint.batches.
@@ -676,12 +684,12 @@ def train_step(s: Session, step: int) -> dict[str, float]:
         "perf/tokens_per_sec": tokens / step_time,
         "perf/step_time_s": step_time,
         "perf/data_wait_frac": wait / step_time,
-        "mem/peak_bytes": _peak_memory_bytes(device),
+        **s.memory.read(),
     }
     for name, count in s.data.source_counts(_global_draws(s, s.data.position.batches)).items():
         metrics[f"data/samples_{name}"] = count  # cumulative: the mixture's realised shares
     if s.dtype == torch.float16:
-        metrics["train/loss_scale"] = float(getattr(engine.optimizer, "cur_scale", math.nan))
+        metrics["train/loss_scale"] = _loss_scale(engine.optimizer)
     return metrics
 
 
@@ -816,7 +824,9 @@ def finish(s: Session, stopped_at: int | None) -> Summary:
     summary.eval_accuracy = s.eval_metrics.get("eval/accuracy")
     summary.samples_per_sec = throughput.per_second(throughput.samples)
     summary.tokens_per_sec = throughput.per_second(throughput.tokens)
-    summary.peak_memory_bytes = _peak_memory_bytes(s.rank.device)
+    memory = s.memory.read()
+    summary.peak_memory_bytes = memory.pop(device_memory.PEAK)
+    summary.extra["memory"] = {key.removeprefix("mem/"): value for key, value in memory.items()}
     summary.extra["records_skipped"] = s.data.records_skipped
     if s.data.cache:
         summary.extra["data_cache"] = s.data.cache
@@ -868,11 +878,11 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _peak_memory_bytes(device: torch.device) -> int:
-    """CUDA max allocated on a GPU; the process's peak resident set size on a CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+def _loss_scale(optimizer: Any) -> float:
+    """fp16's current loss scale. Every DeepSpeed fp16 optimizer has `loss_scale` (ZeRO-0's FP16_Optimizer
+    has no `cur_scale`, which only ZeRO 1-3 add)."""
+    scale = getattr(optimizer, "loss_scale", None)
+    return float(scale) if scale is not None else math.nan
 
 
 def _to_device(batch: dict[str, Any], device: torch.device, dtype: torch.dtype) -> dict[str, Any]:

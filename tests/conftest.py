@@ -22,6 +22,17 @@ CONF = ROOT / "conf"
 register_configs()
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# A test of what a CPU-only machine does (fp16 refused, QLoRA and flash attention refused): it cannot
+# hold on a GPU machine, where the same inputs are accepted.
+cpu_only = pytest.mark.skipif(_has_cuda(), reason="asserts what happens on a machine without CUDA")
+
+
 def compose_config(overrides: list[str] | None = None) -> DictConfig:
     """The config `python train.py OVERRIDES` would run with (without Hydra's own node)."""
     if GlobalHydra.instance().is_initialized():  # inside a module-wide Hydra context

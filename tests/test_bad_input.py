@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, limit_file_size
+from tests.conftest import ROOT, cpu_only, limit_file_size
 from tests.test_models import SIZES
 
 GOOD = {
@@ -48,6 +48,7 @@ class Case:
     code: int = 2
     planned: bool = False  # stopped after the plan was written (ds_config.json may exist)
     run_dir: str = "new"  # new: {tmp}/run holds a failed summary; none: no run dir can exist; old: {old} unchanged
+    cpu_only: bool = False  # refused for want of CUDA: accepted on a GPU machine
 
 
 CASES = [
@@ -219,6 +220,7 @@ CASES = [
         "flash-attention-on-cpu",
         ("model.attn_implementation=flash_attention_2",),
         "model.attn_implementation=flash_attention_2 needs a CUDA device (this job runs on cpu)",
+        cpu_only=True,
     ),
     # ------------------------------------------------------------------ knobs that reach DeepSpeed
     Case("lr-infinite", ("train.lr=inf",), "train.lr=inf must be a finite number"),
@@ -325,11 +327,13 @@ CASES = [
         "qlora-without-cuda",
         ("method=qlora",),
         "method=qlora cannot run here: 4-bit quantisation (bitsandbytes) needs a CUDA device",
+        cpu_only=True,
     ),
     Case(
         "flash-attention-on-cpu",
         ("model.attn_implementation=flash_attention_2",),
         "model.attn_implementation=flash_attention_2 needs a CUDA device",
+        cpu_only=True,
     ),
     # ------------------------------------------------------------------ resume
     Case("resume-missing-directory", ("resume={tmp}/nowhere",), "resume={tmp}/nowhere: no such directory"),
@@ -539,7 +543,9 @@ def assert_failed_and_incomplete(run_dir: Path, message: str, *, planned: bool) 
         assert not (run_dir / "job.json").exists()
 
 
-@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+@pytest.mark.parametrize(
+    "case", [pytest.param(case, marks=cpu_only) if case.cpu_only else case for case in CASES], ids=[c.id for c in CASES]
+)
 def test_bad_input_is_one_clear_error(run_train, request, tmp_path, case):
     values = _inputs(case, request, tmp_path)
     args = [arg.format(**values) for arg in case.args]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, cpu_only
 
 NO_HEAVY_IMPORTS = """
 import runpy, sys
@@ -75,7 +75,12 @@ BAD_INPUTS = [
         2,
         "offload.nvme_path=/nonexistent/nvme does not exist",
     ),
-    (["precision=fp16"], 2, "precision=fp16 is not supported on this cpu: use precision=bf16 or precision=fp32"),
+    pytest.param(
+        ["precision=fp16"],
+        2,
+        "precision=fp16 is not supported on this cpu: use precision=bf16 or precision=fp32",
+        marks=cpu_only,
+    ),
     (["precision=bf16", "+deepspeed_extra.fp16.enabled=true"], 2, "fp16 and bf16 are both enabled"),
     (["train.global_batch_size=30", "train.micro_batch_size=4"], 2, "train.global_batch_size=30 is not divisible"),
     (
@@ -114,7 +119,13 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize(("args", "code", "message"), BAD_INPUTS, ids=[" ".join(a) for a, _, _ in BAD_INPUTS])
+def _values(case) -> tuple:
+    return case.values if hasattr(case, "values") else case  # a pytest.param or a plain tuple
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"), BAD_INPUTS, ids=[" ".join(_values(case)[0]) for case in BAD_INPUTS]
+)
 def test_bad_input_is_one_clear_line(run_train, tmp_path, args, code, message):
     run_dir = tmp_path / "run"
     result = run_train(*args, "dry_run=true", f"hydra.run.dir={run_dir}", timeout=120)

@@ -343,3 +343,38 @@ def test_cli_bad_path_exits_2_with_one_line(tmp_path: Path) -> None:
         assert "Traceback" not in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
         assert result.stderr.startswith("compare: error:") and str(path) in result.stderr
+
+
+def test_gpu_runs_show_host_memory_beside_device_memory(tmp_path):
+    """An offload preset moves optimizer states to pinned host memory: the table shows both sides."""
+    from launcher.compare import build_row, render_markdown, table
+
+    def gpu_row(name: str, device: int, host: int, pinned: int):
+        summary = {
+            "status": "completed",
+            "peak_memory_bytes": device,
+            "memory": {
+                "peak_allocated_bytes": device // 2,
+                "device_used_bytes": device,
+                "host_peak_bytes": host,
+                "pinned_host_bytes": pinned,
+            },
+        }
+        return build_row(name, name, "completed", summary, {"deepspeed": name}, [], {}, [])
+
+    rows = [gpu_row("z2", 20 * GIB, 4 * GIB, GIB // 4), gpu_row("z2_offload", 8 * GIB, 30 * GIB, 12 * GIB)]
+    headers, cells = table(rows, ["deepspeed"])
+    assert headers[-3:] == ["peak mem", "host mem", "wall"]
+    assert [cell[-2] for cell in cells] == ["4.00 GiB (256 MiB pinned)", "30.0 GiB (12.0 GiB pinned)"]
+    assert "host mem: a GPU run's peak host resident set" in render_markdown(rows, ["deepspeed"], "t", None)
+    cpu = build_row(
+        "cpu",
+        "cpu",
+        "completed",
+        {"status": "completed", "peak_memory_bytes": GIB, "memory": {"host_peak_bytes": GIB}},
+        {},
+        [],
+        {},
+        [],
+    )
+    assert "host mem" not in table([cpu], [])[0] and cpu.host_memory_bytes is None

@@ -1,6 +1,7 @@
-"""The paths only a CUDA device runs: QLoRA (bitsandbytes), flash attention, bf16 on a GPU.
+"""The paths only a CUDA device runs: bf16 and fp16 at ZeRO 0-3, fp16's loss scale, the memory
+metrics, the pinned loader, the optimizer fallback, QLoRA (bitsandbytes), flash attention.
 
-Skipped without CUDA; on a lent GPU machine run them all with one command:
+Skipped without CUDA; on a lent GPU machine they run in `bench/device_check.sh`, or with
 
     python -m pytest -m gpu -q
 """
@@ -9,11 +10,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 
 import pytest
 import torch
 
-from tests.test_train_e2e import SHORT, losses, summary
+from tests.test_train_e2e import SHORT, losses, metrics, summary
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,14 +24,38 @@ pytestmark = [
 ]
 
 
-def test_bf16_on_cuda_trains_at_zero2_and_zero3(run_train, tmp_path):
-    for preset in ("z2", "z3"):
-        run_dir = tmp_path / preset
-        result = run_train(f"deepspeed={preset}", "precision=bf16", *SHORT, f"hydra.run.dir={run_dir}")
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert summary(run_dir)["precision"] == "bf16"
-        curve = losses(run_dir)
-        assert curve[-1] < curve[0]
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("preset", ["z0", "z1", "z2", "z3"])
+def test_cuda_trains_at_every_zero_stage_with_its_memory_metrics(run_train, tmp_path, preset, precision):
+    run_dir = tmp_path / "run"
+    result = run_train(f"deepspeed={preset}", f"precision={precision}", *SHORT, f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    done = summary(run_dir)
+    assert done["precision"] == precision and done["zero_stage"] == int(preset[1])
+    curve = losses(run_dir)
+    assert curve[-1] < curve[0]
+    last = metrics(run_dir)[-1]
+    # The allocator's peak reserve holds its peak of live tensors; the device-wide use adds the context.
+    assert last["mem/peak_bytes"] >= last["mem/peak_allocated_bytes"] > 0
+    assert last["mem/device_used_bytes"] >= last["mem/peak_allocated_bytes"]
+    assert done["peak_memory_bytes"] >= last["mem/peak_bytes"]  # the summary's is read after the last save
+    assert done["memory"]["host_peak_bytes"] > 0
+    # The DataLoader pins its batches (torch's host allocator counts them).
+    assert done["memory"].get("pinned_host_bytes", 0) > 0
+    if precision == "fp16":  # every DeepSpeed fp16 optimizer reports its dynamic loss scale
+        scales = [m["train/loss_scale"] for m in metrics(run_dir)]
+        assert all(math.isfinite(scale) and scale > 0 for scale in scales), scales
+
+
+def test_an_offloaded_optimizer_uses_deepspeeds_cpu_adam_and_pinned_host_memory(run_train, tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_train("deepspeed=z2_offload", "precision=bf16", *SHORT, f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    done = summary(run_dir)
+    assert done["optimizer"] == "DeepSpeedCPUAdam"
+    assert done["memory"]["pinned_host_bytes"] > 0  # DeepSpeed's offload buffers are page-locked
+    curve = losses(run_dir)
+    assert curve[-1] < curve[0]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="needs the flash-attn package")
