@@ -105,6 +105,7 @@ def hand_loop(ref_run: Path, steps: int, out: Path) -> None:
     from deepspeed.utils import logger as deepspeed_logger
     from torch.utils.data import DataLoader, DistributedSampler
 
+    from launcher.data import LengthLimit
     from launcher.data_cache import CachedCollator, CachedDataset, cache_key
     from launcher.models import load_model_and_processor
 
@@ -128,7 +129,7 @@ def hand_loop(ref_run: Path, steps: int, out: Path) -> None:
     # key, not from summary.json: in alternating blocks the reference run is still training.
     base_model = str(Path(model_dir).resolve()) if Path(model_dir).is_dir() else str(model_dir)
     cache_root = Path(cfg.cache_dir).expanduser().absolute() / "data_cache"
-    dataset = CachedDataset(cache_root / cache_key(records, processor, base_model))
+    dataset = CachedDataset(cache_root / cache_key(records, processor, base_model, LengthLimit.of(cfg.data)))
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)
     workers = int(cfg.data.num_workers)
     loader = DataLoader(

@@ -157,6 +157,69 @@ def incompatibilities(marker: dict[str, Any], current: dict[str, Any]) -> list[s
     return differences
 
 
+# ----------------------------------------------------------------------------- learning-rate schedule
+# The scheduler's parameters by the knob a user changes them with (others by their DeepSpeed name).
+SCHEDULE_KNOBS = {
+    "lr": "train.lr",
+    "warmup_max_lr": "train.lr",
+    "total_num_steps": "train.max_steps",
+    "warmup_num_steps": "warm-up",
+    "cos_min_ratio": "train.min_lr_ratio",
+}
+
+
+def lr_schedule_of(ds: dict[str, Any]) -> dict[str, Any]:
+    """What sets a DeepSpeed dict's learning rate at each step: the optimizer's lr and the scheduler
+    block. A checkpoint records it (the marker's "lr_schedule"), so a resume can tell it changed."""
+    return {"lr": ((ds.get("optimizer") or {}).get("params") or {}).get("lr"), "scheduler": ds.get("scheduler")}
+
+
+def scheduled_lr(schedule: dict[str, Any], step: int) -> float | None:
+    """The learning rate metrics.jsonl shows at `step` (1-based: the scheduler has stepped `step` times)
+    under a schedule, from DeepSpeed's own scheduler class; None where DeepSpeed has no such class."""
+    from deepspeed.runtime import lr_schedules
+
+    block, lr = schedule.get("scheduler") or {}, schedule.get("lr")
+    cls = getattr(lr_schedules, str(block.get("type")), None)
+    if cls is None or lr is None:
+        return None
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=float(lr))
+    try:
+        # Built at its step (not at -1, where DeepSpeed warns that it has not started), then stepped there.
+        cls(optimizer, **{**(block.get("params") or {}), "last_batch_iteration": step - 1}).step(step - 1)
+    except (TypeError, ValueError):
+        return None
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def schedule_change(marker: dict[str, Any], ds: dict[str, Any]) -> str | None:
+    """One line when this job's learning-rate schedule differs from the checkpoint's, else None.
+
+    DeepSpeed restores only the scheduler's step count: the schedule itself is rebuilt from this job's
+    config, so a resume with another train.max_steps (or warm-up, lr) continues on the new schedule,
+    re-stretched to the new length, and the learning rate jumps at the resume step. A checkpoint of an
+    older launcher does not record its schedule: nothing is said."""
+    saved, now = marker.get("lr_schedule"), lr_schedule_of(ds)
+    if not saved or saved == now:
+        return None
+    step = int(marker["step"])
+    old = {"lr": saved.get("lr"), **((saved.get("scheduler") or {}).get("params") or {})}
+    new = {"lr": now.get("lr"), **((now.get("scheduler") or {}).get("params") or {})}
+    changes = {}
+    for key in [*old, *(key for key in new if key not in old)]:
+        if old.get(key) != new.get(key):
+            changes.setdefault(SCHEDULE_KNOBS.get(key, f"scheduler.params.{key}"), f"{old.get(key)} -> {new.get(key)}")
+    old_type, new_type = (str((s.get("scheduler") or {}).get("type")) for s in (saved, now))
+    if old_type != new_type:
+        changes = {"scheduler.type": f"{old_type} -> {new_type}", **changes}
+    what = ", ".join(f"{knob} {change}" + (" steps" if knob == "warm-up" else "") for knob, change in changes.items())
+    total = new.get("total_num_steps")
+    how = f"re-stretched to {total} steps" if "train.max_steps" in changes and total else "changed to the new values"
+    before, after = scheduled_lr(saved, step + 1), scheduled_lr(now, step + 1)
+    lrs = f" (lr at step {step + 1}: {before:.1e} -> {after:.1e})" if before is not None and after is not None else ""
+    return f"resume: {what}: the learning-rate schedule is {how} from step {step + 1} on{lrs}"
+
+
 # ----------------------------------------------------------------------------- data position
 @dataclass
 class DataPosition:

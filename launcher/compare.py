@@ -6,11 +6,13 @@ Usage::
     python -m launcher.compare outputs/2026-11-29/10-00-00 outputs/2026-11-29/11-00-00  # runs
     python -m launcher.compare --wandb ENTITY/PROJECT --group GROUP          # the same, from W&B
 
-Rows are runs, sorted by throughput (samples/s, highest first; failed runs last). Columns are the
+Rows are runs, sorted by throughput (samples/s, highest first; failed runs last), each named by the
+settings that tell it apart (``deepspeed=z2,precision=bf16``, `run_names`). Columns are the
 config-group choices (and other overrides) that differ between the runs, then status, steps, losses,
-accuracy, throughput, peak memory and wall time. Written next to the runs: ``compare.md`` (table,
-failed runs with their error line, the picture), ``compare.csv`` (raw numbers, bytes and seconds)
-and ``compare.png`` (train/loss curves, throughput and peak-memory bars per configuration).
+accuracy, throughput, peak memory and wall time. Written next to the runs (into a sweep directory, or
+the directory holding the given runs; ``--out`` elsewhere): ``compare.md`` (table, failed runs with
+their error line, the picture), ``compare.csv`` (raw numbers, bytes and seconds) and ``compare.png``
+(train/loss curves, throughput and peak-memory bars per configuration).
 
 Local runs are read only from files the job writes (``summary.json``, ``metrics.jsonl``,
 ``.hydra/overrides.yaml``, ``.hydra/hydra.yaml``), so a copy of ``outputs/`` is enough. A run
@@ -34,6 +36,7 @@ import argparse
 import csv
 import json
 import math
+import os
 import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -324,13 +327,24 @@ def differing_keys(rows: Sequence[RunRow]) -> list[str]:
     return [k for k in GROUP_ORDER if k in differing] + sorted(differing - set(GROUP_ORDER))
 
 
-def labels_for(rows: Sequence[RunRow], keys: Sequence[str]) -> list[str]:
-    """Short labels: the differing settings of each run (its name when nothing differs)."""
-    labels = [" ".join(f"{k}={row.settings.get(k, '-')}" for k in keys) or row.name for row in rows]
-    seen: dict[str, int] = {}
-    for label in labels:
-        seen[label] = seen.get(label, 0) + 1
-    return [f"{label} [{row.name}]" if seen[label] > 1 else label for label, row in zip(labels, rows, strict=True)]
+def run_names(rows: Sequence[RunRow], keys: Sequence[str]) -> list[str]:
+    """What each run is called in the table, the picture and the error lines: its differing settings
+    (``deepspeed=z2,precision=bf16``, as W&B names runs), unique and short.
+
+    A key joins the names only where it tells apart runs the keys before it do not (in `keys`' order):
+    a sweep over deepspeed=z0,z2 is named by the preset, not also by the ZeRO stage it implies. Runs
+    whose settings are the same get their directory (or W&B) name in brackets; with no differing
+    setting a run is called by that name alone."""
+    values = [[] for _ in rows]  # type: list[list[str]]
+    for key in keys:
+        before = len({tuple(v) for v in values})
+        after = len({(*v, row.settings.get(key, "-")) for v, row in zip(values, rows, strict=True)})
+        if after > before:
+            for v, row in zip(values, rows, strict=True):
+                v.append(f"{key}={row.settings.get(key, '-')}")
+    names = [",".join(v) or row.name for v, row in zip(values, rows, strict=True)]
+    counts = {name: names.count(name) for name in names}
+    return [f"{name} [{row.name}]" if counts[name] > 1 else name for name, row in zip(names, rows, strict=True)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -404,7 +418,7 @@ def table(rows: Sequence[RunRow], keys: Sequence[str]) -> tuple[list[str], list[
     headers = ["run", *keys, "status", *_numeric_headers(rows)]
     cells = [
         [
-            row.name,
+            name,
             *(row.settings.get(k, "-") for k in keys),
             row.status,
             str(row.steps) if row.steps is not None else "-",
@@ -417,7 +431,7 @@ def table(rows: Sequence[RunRow], keys: Sequence[str]) -> tuple[list[str], list[
             *([_host_cell(row)] if host else []),
             human_seconds(row.wall_s),
         ]
-        for row in rows
+        for name, row in zip(run_names(rows, keys), rows, strict=True)
     ]
     return headers, cells
 
@@ -435,7 +449,8 @@ def render_text(rows: Sequence[RunRow], keys: Sequence[str]) -> str:
         ).rstrip()
 
     out = [line(headers), line(["-" * w for w in widths]), *(line(c) for c in cells)]
-    out += [f"{row.name} {row.status}: {row.error}" for row in rows if row.error]
+    names = run_names(rows, keys)
+    out += [f"{name} {row.status}: {row.error}" for name, row in zip(names, rows, strict=True) if row.error]
     return "\n".join(out)
 
 
@@ -468,16 +483,17 @@ def render_markdown(rows: Sequence[RunRow], keys: Sequence[str], title: str, ima
         "| " + " | ".join(align) + " |",
         *("| " + " | ".join(_md_cell(c) for c in row) + " |" for row in cells),
     ]
-    failed = [row for row in rows if row.status == FAILED or row.error]
+    named = list(zip(run_names(rows, keys), rows, strict=True))
+    failed = [(name, row) for name, row in named if row.status == FAILED or row.error]
     if failed:
         lines += ["", "## Failed runs", ""]
-        for row in failed:
+        for name, row in failed:
             status = "" if row.status == FAILED else f", {row.status}"
-            lines.append(f"- run {row.name} ({row.source}{status}): {_md_cell(row.error or 'no error recorded')}")
-    incomplete = [row for row in rows if row.status == INCOMPLETE]
+            lines.append(f"- run {_md_cell(name)} ({row.source}{status}): {_md_cell(row.error or 'no error recorded')}")
+    incomplete = [(name, row) for name, row in named if row.status == INCOMPLETE]
     if incomplete:
         lines += ["", "## Incomplete runs (no summary.json: killed or still starting)", ""]
-        lines += [f"- run {row.name} ({row.source})" for row in incomplete]
+        lines += [f"- run {_md_cell(name)} ({row.source})" for name, row in incomplete]
     if image:
         lines += ["", f"![train loss, throughput and peak memory per run]({image})"]
     return "\n".join(lines) + "\n"
@@ -505,22 +521,21 @@ def write_csv(rows: Sequence[RunRow], keys: Sequence[str], path: Path) -> None:
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["run", *keys, *_CSV_FIELDS])
-        for row in rows:
-            values = [getattr(row, name) for name in _CSV_FIELDS]
-            writer.writerow(
-                [row.name, *(row.settings.get(k, "") for k in keys), *("" if v is None else v for v in values)]
-            )
+        for name, row in zip(run_names(rows, keys), rows, strict=True):
+            values = [getattr(row, field_name) for field_name in _CSV_FIELDS]
+            writer.writerow([name, *(row.settings.get(k, "") for k in keys), *("" if v is None else v for v in values)])
 
 
 def _wrap_label(label: str, width: int = 28) -> str:
+    """Lines of at most about `width` characters, broken after a comma or at a space."""
     parts, line = [], ""
-    for word in label.split(" "):
-        if line and len(line) + 1 + len(word) > width:
-            parts.append(line)
+    for word in re.findall(r"[^, ]+,?|[, ]", label):
+        if line.strip() and len(line) + len(word) > width:
+            parts.append(line.strip())
             line = word
         else:
-            line = f"{line} {word}".strip()
-    return "\n".join([*parts, line])
+            line += word
+    return "\n".join([*parts, line.strip()])
 
 
 def write_plot(rows: Sequence[RunRow], labels: Sequence[str], path: Path, title: str) -> None:
@@ -591,11 +606,34 @@ def write_outputs(rows: Sequence[RunRow], out_dir: Path, title: str, plot: bool 
     image = None
     if plot and rows:
         image = f"{OUTPUT_STEM}.png"
-        write_plot(rows, labels_for(rows, keys), out_dir / image, title)
+        write_plot(rows, run_names(rows, keys), out_dir / image, title)
     write_csv(rows, keys, out_dir / f"{OUTPUT_STEM}.csv")
     md_path = out_dir / f"{OUTPUT_STEM}.md"
     md_path.write_text(render_markdown(rows, keys, title, image))
     return md_path
+
+
+def terminal_table(rows: Sequence[RunRow]) -> str:
+    """The comparison as the terminal shows it: rows sorted, columns for the settings that differ."""
+    return render_text(sort_rows(rows), differing_keys(rows))
+
+
+def written_line(md_path: Path, plot: bool = True) -> str:
+    """The line that ends a comparison on the terminal: where its files are."""
+    return f"comparison: {md_path} (+ compare.csv{', compare.png' if plot else ''})"
+
+
+def default_out_dir(paths: Sequence[Path]) -> Path:
+    """Where a comparison of local runs is written without --out: a sweep directory given alone; else
+    the directory holding all the given runs (their common parent), as a sweep directory holds its jobs.
+    Runs with nothing in common but the file system's root are compared into the current directory."""
+    if len(paths) == 1 and not is_run_dir(paths[0]):
+        return paths[0]
+    resolved = [Path(path).resolve() for path in paths]
+    common = Path(os.path.commonpath(resolved))
+    if common in resolved and is_run_dir(common):  # a single run: next to it
+        common = common.parent
+    return Path.cwd() if common == Path(common.anchor) else common
 
 
 def write_comparison(sweep_dir: Path | str, out_dir: Path | str | None = None) -> Path:
@@ -633,7 +671,8 @@ def _parser() -> argparse.ArgumentParser:
         type=Path,
         help=(
             "where to write compare.md/.csv/.png. Default: the sweep directory when PATH is a single "
-            "sweep directory; otherwise (several paths, a single run, or --wandb) the current directory"
+            "sweep directory; otherwise the directory that holds all the given runs (their common parent); "
+            "with --wandb the current directory. The last line printed says where they went"
         ),
     )
     parser.add_argument(
@@ -674,16 +713,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         single_sweep = len(args.paths) == 1 and not is_run_dir(args.paths[0])
         title = args.paths[0].resolve().name if single_sweep else _count(rows)
-        out_dir = args.out or (args.paths[0] if single_sweep else Path.cwd())
+        out_dir = args.out or default_out_dir(args.paths)
 
-    keys = differing_keys(rows)
-    print(render_text(sort_rows(rows), keys))
+    print(terminal_table(rows))
     try:
         md_path = write_outputs(rows, out_dir, title, plot=not args.no_plot)
     except OSError as exc:
         print(f"compare: error: cannot write to {out_dir}: {exc}", file=sys.stderr)
         return 1
-    print(f"\nwrote {md_path}, {md_path.with_suffix('.csv').name}" + ("" if args.no_plot else ", compare.png"))
+    print("\n" + written_line(md_path.absolute(), plot=not args.no_plot))
     return 0
 
 

@@ -5,19 +5,21 @@ Records are read by launcher/formats.py (LLaVA, ShareGPT, OpenAI-style messages;
 
 Collation renders each conversation with the processor's own chat template and tokenizes it with the
 processor (image tokens expanded), so the same code serves tiny builds and real llava-1.5 / Qwen2-VL
-processors. Loss is on the assistant's tokens only.
+processors. Loss is on the assistant's tokens only. A sample longer than data.max_length is cut on its
+answer side, images kept whole, or skipped (`fit_to_length`), alike with the data cache and without.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
 import shutil
 import tempfile
 from bisect import bisect_right
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ from launcher.errors import LauncherError
 from launcher.formats import (
     DEFAULT_MAX_IMAGE_PIXELS,
     IMAGE_PLACEHOLDER,
+    BadRecordError,
     ReadOptions,
     looks_like_hub_id,
     open_image,
@@ -194,6 +197,7 @@ class LoadedData:
     skipped: int
     sources: list[Source]
     formats: list[str]  # each source's format, as read (auto-detected or given)
+    skip_log: list[dict] = field(default_factory=list)  # one entry per skipped record (formats.skipped_entry)
 
     @property
     def mixture(self) -> bool:
@@ -214,18 +218,21 @@ def read_data(data: Any, cache: Path, *, decode: bool = False) -> LoadedData:
     image is skipped here rather than failing a DataLoader worker later."""
     sources, eval_source = data_sources(data, cache, decode=decode)
     train, skipped, formats = [], 0, []
+    train_log: list[dict] = []
     for index, source in enumerate(sources):
-        records, source_skipped, fmt = read_records(source.path, source.options)
+        records, source_skipped, fmt = read_records(source.path, source.options, train_log)
         for record in records:
             record["source"] = index
         train += records
         skipped += source_skipped
         formats.append(fmt)
     eval_records: list[dict] = []
+    eval_log: list[dict] = []
     if eval_source is not None:
-        eval_records, eval_skipped, _ = read_records(eval_source.path, eval_source.options)
+        eval_records, eval_skipped, _ = read_records(eval_source.path, eval_source.options, eval_log)
         skipped += eval_skipped
-    return LoadedData(train, eval_records, skipped, sources, formats)
+    skip_log = [{"split": split, **entry} for split, log in (("train", train_log), ("eval", eval_log)) for entry in log]
+    return LoadedData(train, eval_records, skipped, sources, formats, skip_log)
 
 
 def data_sources(data: Any, cache: Path, *, decode: bool = False) -> tuple[list[Source], Source | None]:
@@ -296,7 +303,7 @@ def _existing_data_path(path: Any, key: str) -> str:
 
 
 class ConversationDataset(Dataset):
-    """Records -> {"id", "images": RGB PIL images, "messages", "source"}; images decode here, in workers."""
+    """Records -> {"id", "where", "images": RGB PIL images, "messages", "source"}; images decode here, in workers."""
 
     def __init__(self, records: list[dict]):
         self.records = records
@@ -307,7 +314,13 @@ class ConversationDataset(Dataset):
     def __getitem__(self, index: int) -> dict:
         record = self.records[index]
         images = [open_image(image, record["where"]) for image in record["images"]]
-        return {"id": record["id"], "images": images, "messages": record["messages"], "source": record.get("source", 0)}
+        return {
+            "id": record["id"],
+            "where": record["where"],
+            "images": images,
+            "messages": record["messages"],
+            "source": record.get("source", 0),
+        }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -366,13 +379,34 @@ class Collator:
     `image_every_batch`: a batch without images gets a dummy one (see `add_dummy_image`), so that the
     vision tower runs on every batch: under ZeRO-3 with several ranks every rank must gather the same
     parameters in the same order, or the collectives wait forever.
+
+    `limit` (data.max_length): a batch with a longer sample is made again from each sample cut alone
+    (`fit_to_length`) and padded as `CachedCollator` pads, so it is the batch the data cache gives.
+    Samples that cannot be cut are found before training (`fit_records`); meeting one here is an error.
     """
 
-    def __init__(self, processor, *, image_every_batch: bool = False):
+    def __init__(self, processor, *, image_every_batch: bool = False, limit: LengthLimit | None = None):
         self.processor = processor
         self.image_every_batch = image_every_batch
+        self.limit = limit or LengthLimit()
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        batch = self.labelled(samples)
+        longest = self.limit.max_length
+        if longest is not None and batch["input_ids"].shape[1] > longest:
+            rows = []
+            for sample in samples:
+                try:
+                    rows.append(fit_to_length(one_row(self.labelled([sample])), self.limit, self.processor)[0])
+                except RecordTooLong as error:
+                    raise RecordTooLong(f"{sample.get('where', sample['id'])}: {error}") from None
+            batch = pad_rows(rows, self.processor.tokenizer.pad_token_id)
+        if self.image_every_batch and "pixel_values" not in batch:
+            batch = add_dummy_image(self.processor, batch, padding_side="right")
+        return batch
+
+    def labelled(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        """The processor's batch of the samples, whole, with `labels`."""
         rendered = [render_with_assistant_spans(self.processor, sample["messages"]) for sample in samples]
         texts, spans = [text for text, _ in rendered], [spans for _, spans in rendered]
         batch = _encode(self.processor, texts, [s["images"] for s in samples], padding_side="right")
@@ -386,8 +420,6 @@ class Collator:
                 supervised[row] |= (token_start[row] < end) & (token_end[row] > start)
         batch = dict(batch)
         batch["labels"] = batch["input_ids"].masked_fill(~supervised, IGNORE_INDEX)
-        if self.image_every_batch and "pixel_values" not in batch:
-            batch = add_dummy_image(self.processor, batch, padding_side="right")
         return batch
 
 
@@ -439,6 +471,225 @@ def _expanded_spans(spans: list[tuple[int, int]], replacements: list[dict]) -> l
     # Characters gained by all expansions up to and including the k-th placeholder.
     gained = [0] + [r["new_span"][1] - r["span"][1] for r in replacements]
     return [tuple(c + gained[bisect_right(placeholder_ends, c)] for c in span) for span in spans]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sequence length: data.max_length, data.truncation
+
+# A cut record keeps at least this many answer tokens (its whole answer when shorter); a record whose
+# prompt and images leave less room is skipped instead: a few tokens of an answer teach little.
+MIN_ANSWER_TOKENS = 16
+# The token tensors a batch pads, and with what (None: the pad token); attention_mask is made by padding.
+PADDED_KEYS = {"input_ids": None, "labels": IGNORE_INDEX, "mm_token_type_ids": 0}
+# The tensors of a sample that hold one entry per token; the others hold rows per image.
+TOKEN_KEYS = (*PADDED_KEYS, "attention_mask")
+# Records estimated at least this far under the limit are not encoded before training (`fit_records`).
+ESTIMATE_MARGIN = 8
+
+
+class RecordTooLong(BadRecordError):
+    """A record over data.max_length that is not cut (data.truncation=skip, or no room left for its
+    answer): skipped and listed in RUN/skipped_records.jsonl, whatever data.on_bad_record says."""
+
+
+@dataclass(frozen=True)
+class LengthLimit:
+    """data.max_length (tokens per sample, image tokens included; None: no limit) and data.truncation."""
+
+    max_length: int | None = None
+    truncation: str = "truncate"  # truncate: cut the answer side (or skip when that cannot fit) | skip
+
+    @classmethod
+    def of(cls, data: Any) -> LengthLimit:
+        longest = data.get("max_length")
+        return cls(None if longest is None else int(longest), str(data.get("truncation") or "truncate"))
+
+
+def one_row(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A one-sample batch -> that sample's tensors: token tensors without the batch axis, no attention mask."""
+    return {key: value[0] if key in TOKEN_KEYS else value for key, value in batch.items() if key != "attention_mask"}
+
+
+def fit_to_length(row: dict[str, torch.Tensor], limit: LengthLimit, processor) -> tuple[dict[str, torch.Tensor], bool]:
+    """One sample's tensors (`one_row`) within limit.max_length; returns (tensors, whether they were cut).
+
+    truncate: the sample ends at its last answer token within the limit, so the prompt before the first
+    answer stays whole and the answer side is cut from the end (later turns first). An image whose
+    tokens would lie past the cut goes whole, with its pixels: the model checks that image tokens and
+    image features agree. At least MIN_ANSWER_TOKENS answer tokens (or the whole answer) must remain,
+    else RecordTooLong. skip: RecordTooLong for any longer sample. The reason says nothing of where the
+    record is; callers add that."""
+    length, longest = len(row["input_ids"]), limit.max_length
+    if longest is None or length <= longest:
+        return row, False
+    if limit.truncation == "skip":
+        raise RecordTooLong(f"{length:,} tokens, over data.max_length={longest} (data.truncation=skip)")
+    answer = (row["labels"] != IGNORE_INDEX).nonzero().flatten()
+    kept = answer[answer < longest]
+    wanted = max(1, min(MIN_ANSWER_TOKENS, len(answer)))
+    if len(kept) < wanted:
+        before = int(answer[0]) if len(answer) else length
+        fix = "raise data.max_length or shorten the prompt"
+        if "image_grid_thw" in row:  # Qwen2-VL: an image's tokens follow its pixels
+            fix += " (or lower model.max_pixels: fewer tokens per image)"
+        raise RecordTooLong(
+            f"{length:,} tokens, over data.max_length={longest}, and {before:,} of them (prompt and images) come "
+            f"before the answer: no room for {wanted} answer tokens; {fix}"
+        )
+    end = int(kept[-1]) + 1
+    per_image = _tokens_per_image(row, processor)
+    held = int((row["input_ids"][:end] == processor.image_token_id).sum())
+    images = total = 0
+    while images < len(per_image) and total + per_image[images] <= held:
+        total, images = total + per_image[images], images + 1
+    if total != held:  # a cut ends on an answer token, so never inside an image's tokens
+        raise RecordTooLong(f"{length:,} tokens, over data.max_length={longest}: cannot be cut between its images")
+    grid = row.get("image_grid_thw")
+    out = {}
+    for key, value in row.items():
+        if key in TOKEN_KEYS:
+            out[key] = value[:end]
+        elif key == "pixel_values" and grid is not None:  # Qwen2-VL: rows of patches, per image t*h*w
+            out[key] = value[: int(grid[:images].prod(-1).sum())]
+        else:  # a row per image: pixel_values (LLaVA), image_grid_thw
+            out[key] = value[:images]
+    return out, True
+
+
+def _tokens_per_image(row: dict[str, torch.Tensor], processor) -> list[int]:
+    """Language-model tokens of each image of a sample, in order."""
+    grid = row.get("image_grid_thw")
+    if grid is not None:  # Qwen2-VL: merge x merge patches make one token
+        merge = int(getattr(processor.image_processor, "merge_size", 1))
+        return [int(patches) // merge**2 for patches in grid.prod(-1)]
+    pixels = row.get("pixel_values")
+    images = 0 if pixels is None else len(pixels)
+    held = int((row["input_ids"] == processor.image_token_id).sum())
+    return [held // images] * images if images else []  # LLaVA: every image the same
+
+
+def pad_rows(rows: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Samples' tensors (`RecordEncoder`'s) -> the processor's right-padded batch of them, with
+    attention_mask; per-image tensors (pixel_values, image_grid_thw) concatenated, left out when no
+    sample has an image (as the processor leaves them out of a text-only batch)."""
+    width = max(len(row["input_ids"]) for row in rows)
+    batch: dict[str, torch.Tensor] = {}
+    for name, fill in PADDED_KEYS.items():
+        if name not in rows[0]:
+            continue
+        value = pad_token_id if fill is None else fill
+        padded = torch.full((len(rows), width), value, dtype=rows[0][name].dtype)
+        for number, row in enumerate(rows):
+            padded[number, : len(row[name])] = row[name]
+        batch[name] = padded
+    batch["attention_mask"] = torch.zeros((len(rows), width), dtype=torch.int64)
+    for number, row in enumerate(rows):
+        batch["attention_mask"][number, : len(row["input_ids"])] = 1
+    names = dict.fromkeys(name for row in rows for name in row if name not in PADDED_KEYS)  # in order, once
+    for name in names:
+        held = [row[name] for row in rows if name in row]
+        if any(len(value) for value in held):
+            batch[name] = torch.cat(held)  # pixel_values, image_grid_thw
+    return batch
+
+
+def unchanged(item: Any) -> Any:
+    """A DataLoader's collate_fn that hands items on as they are (the default would make numpy arrays
+    tensors again)."""
+    return item
+
+
+@dataclass
+class FitReport:
+    """What data.max_length does to a list of records (`fit_records`)."""
+
+    kept: list[int]  # positions of the records that train (as they are, or cut)
+    cut: int  # how many of them are cut
+    skipped: list[tuple[int, str]]  # (position, reason with the record's place) of those that do not
+
+
+def fit_records(records: list[dict], processor, limit: LengthLimit, *, num_workers: int) -> FitReport:
+    """Which records train as they are, cut, or not at all under `limit`: found before training when there
+    is no data cache (building the cache finds them itself), so every rank drops the same records.
+
+    Each record's length is estimated from its rendered text and its images' sizes (read from their
+    headers, no pixels); only records estimated within ESTIMATE_MARGIN of the limit or over it are
+    encoded (images decoded) and cut as `Collator` cuts them. In `num_workers` processes."""
+    if limit.max_length is None:
+        return FitReport(list(range(len(records))), 0, [])
+    loader = DataLoader(
+        _Fitted(records, processor, limit),
+        batch_size=None,
+        num_workers=num_workers,
+        prefetch_factor=8 if num_workers else None,
+        collate_fn=unchanged,
+    )
+    report = FitReport([], 0, [])
+    for index, outcome in loader:
+        if isinstance(outcome, RecordTooLong):
+            report.skipped.append((index, str(outcome)))
+        elif isinstance(outcome, BadRecordError):  # an image that does not decode, under data.on_bad_record=error
+            raise outcome
+        else:
+            report.kept.append(index)
+            report.cut += outcome
+    if not report.kept:
+        raise nothing_fits(len(records), limit, len(report.skipped), 0, report.skipped[0][1])
+    return report
+
+
+def nothing_fits(count: int, limit: LengthLimit, too_long: int, bad: int, example: str) -> LauncherError:
+    """The error when no record of a split is left under data.max_length (one line, with one reason)."""
+    return LauncherError(
+        f"data: none of the {count} records fits data.max_length={limit.max_length} ({too_long} too long, "
+        f"{bad} bad), e.g. {example}"
+    )
+
+
+class _Fitted(Dataset):
+    """Record i -> (i, whether it is cut), or (i, the RecordTooLong or BadRecordError that stops it)."""
+
+    def __init__(self, records: list[dict], processor, limit: LengthLimit):
+        self.records, self.processor, self.limit = records, processor, limit
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> tuple[int, Any]:
+        record = self.records[index]
+        try:
+            estimate = estimated_length(self.processor, record)
+        except (OSError, ValueError, Image.DecompressionBombError):  # encoding it below says what is wrong
+            estimate = None
+        if estimate is not None and estimate <= self.limit.max_length - ESTIMATE_MARGIN:
+            return index, False
+        try:
+            sample = ConversationDataset(self.records)[index]
+            row = one_row(Collator(self.processor).labelled([sample]))
+            return index, fit_to_length(row, self.limit, self.processor)[1]
+        except RecordTooLong as error:
+            return index, RecordTooLong(f"{record['where']}: {error}")
+        except BadRecordError as error:
+            return index, error
+
+
+def estimated_length(processor, record: dict) -> int | None:
+    """A record's tokens as the processor makes them, from its rendered text and its images' sizes (their
+    headers): the text's tokens, each image placeholder counted as the tokens its image takes. None when
+    the processor cannot say how many tokens an image of a given size takes."""
+    text, _ = render_with_assistant_spans(processor, record["messages"])
+    tokens = len(processor.tokenizer(text)["input_ids"])
+    if not record["images"]:
+        return tokens
+    sizes = []
+    for image in record["images"]:
+        with Image.open(io.BytesIO(image) if isinstance(image, bytes) else image) as opened:
+            sizes.append((opened.height, opened.width))
+    try:
+        counts = processor._get_num_multimodal_tokens(image_sizes=sizes)["num_image_tokens"]
+    except (AttributeError, KeyError, TypeError, NotImplementedError):
+        return None
+    return tokens + sum(int(count) - 1 for count in counts)
 
 
 class PromptCollator:

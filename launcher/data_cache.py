@@ -5,7 +5,8 @@ chat template, the tokenizer): on a small model that is most of a step. With it 
 tensors and pads them.
 
 Layout of one cache (a directory under cache_dir/data_cache/, named by its key):
-    meta.json          the key's inputs, record count, skipped records, each record's id, source and length
+    meta.json          the key's inputs, record count, the records skipped (and why) and cut, each record's
+                       id, source and position
     <name>.bin         one flat file per tensor (input_ids, labels, pixel_values, ...), records back to back
     index.npz          per tensor: the offsets of each record's rows, its dtype and its trailing shape
 
@@ -17,7 +18,8 @@ bitwise the batch the processor makes: 4 bytes per value, e.g. 1.3 MiB per 336 x
 
 The key covers what the tensors and their bookkeeping depend on: the records (source, text, and each
 image's path, size and modification time, or its bytes), the processor (tokenizer, chat template, image settings such as
-min/max pixels) and the model. A change to any of them builds a new cache; a complete cache is reused.
+min/max pixels), the model, and data.max_length / data.truncation (a record over the limit is stored
+cut, or skipped). A change to any of them builds a new cache; a complete cache is reused.
 A build is written to a temporary directory and renamed into place: a crash leaves nothing that looks
 complete.
 """
@@ -26,12 +28,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,19 +43,20 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from launcher.errors import LauncherError, TrainingFailed
-from launcher.formats import BadRecordError
+from launcher.formats import BadRecordError, skipped_entry
 
-CACHE_VERSION = 2
+log = logging.getLogger("launcher")
+
+CACHE_VERSION = 3  # 3: data.max_length in the key; meta.json lists the records skipped and counts those cut
 META_FILE = "meta.json"
 INDEX_FILE = "index.npz"
-# Tensors of a record that depend on nothing but the record; attention_mask is all ones until padded.
-PADDED_KEYS = {"input_ids": None, "labels": -100, "mm_token_type_ids": 0}  # None: the pad token
 
 
-def cache_key(records: list[dict], processor: Any, model: str) -> str:
-    """A digest of everything a cached tensor depends on."""
+def cache_key(records: list[dict], processor: Any, model: str, limit: Any = None) -> str:
+    """A digest of everything a cached tensor depends on (`limit`: a data.LengthLimit, or None)."""
     digest = hashlib.sha256()
-    digest.update(json.dumps({"version": CACHE_VERSION, "model": model}).encode())
+    length = {"max_length": limit.max_length, "truncation": limit.truncation} if limit is not None else None
+    digest.update(json.dumps({"version": CACHE_VERSION, "model": model, "length": length}).encode())
     digest.update(processor_fingerprint(processor).encode())
     for record in records:
         images = [_image_identity(image) for image in record["images"]]
@@ -64,11 +68,17 @@ def processor_fingerprint(processor: Any) -> str:
     """The processor settings tensors depend on: image processing, chat template, tokenizer."""
     tokenizer = processor.tokenizer
     backend = getattr(tokenizer, "backend_tokenizer", None)
+    state: Any = repr(tokenizer.get_vocab())
+    if backend is not None:
+        # Less the padding and truncation state, which the first call with padding=True sets: otherwise
+        # a processor that has encoded a batch (rank 0's, after building the train split's cache) gives
+        # other keys than a fresh one.
+        state = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("padding", "truncation")}
     parts = {
         "class": type(processor).__name__,
         "image_processor": processor.image_processor.to_dict(),
         "chat_template": processor.chat_template,
-        "tokenizer": backend.to_str() if backend is not None else repr(tokenizer.get_vocab()),
+        "tokenizer": state,
         "special": tokenizer.special_tokens_map,
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
@@ -83,16 +93,21 @@ def _image_identity(image: str | bytes) -> Any:
 
 # ----------------------------------------------------------------------------- building
 class RecordEncoder:
-    """A decoded sample -> its tensors: `Collator`'s batch of that one sample, without the batch axis."""
+    """A decoded sample -> (its tensors, whether they were cut): `Collator`'s batch of that one sample,
+    without the batch axis, cut to `limit` (data.max_length) as `Collator` cuts it; RecordTooLong when
+    the sample is skipped instead."""
 
-    def __init__(self, processor: Any):
-        from launcher.data import Collator
+    def __init__(self, processor: Any, limit: Any = None):
+        from launcher.data import Collator, LengthLimit
 
+        self.processor = processor
         self.collate = Collator(processor)
+        self.limit = limit or LengthLimit()
 
-    def __call__(self, sample: dict) -> dict[str, torch.Tensor]:
-        batch = self.collate([sample])
-        return {k: v[0] if k in PADDED_KEYS else v for k, v in batch.items() if k != "attention_mask"}
+    def __call__(self, sample: dict) -> tuple[dict[str, torch.Tensor], bool]:
+        from launcher.data import fit_to_length, one_row
+
+        return fit_to_length(one_row(self.collate.labelled([sample])), self.limit, self.processor)
 
 
 @dataclass
@@ -104,6 +119,9 @@ class CacheInfo:
     build_seconds: float | None
     records: int
     skipped: int  # records whose images failed to decode while building (data.on_bad_record=skip)
+    truncated: int = 0  # records stored cut to data.max_length
+    too_long: int = 0  # records over data.max_length that could not be cut (or data.truncation=skip)
+    skip_log: list[dict] = field(default_factory=list)  # each skipped record: formats.skipped_entry
 
 
 def ensure_cache(
@@ -111,43 +129,54 @@ def ensure_cache(
     records: list[dict],
     processor: Any,
     model: str,
-    encode: Callable[[dict], dict[str, torch.Tensor]],
+    encode: RecordEncoder,
     load: Callable[[int], dict],
     *,
     on_bad_record: str,
     num_workers: int,
 ) -> CacheInfo:
     """The cache for these records, built when missing. `load(i)` decodes record i (images and all,
-    raising BadRecordError when it cannot); `encode(sample)` turns it into the record's tensors."""
-    key = cache_key(records, processor, model)
+    raising BadRecordError when it cannot); `encode(sample)` turns it into the record's tensors, cut to
+    its limit (part of the key). A record over the limit that cannot be cut is skipped whatever
+    `on_bad_record` says."""
+    key = cache_key(records, processor, model, encode.limit)
     path = root / key
     meta = _read_meta(path)
     if meta is not None:
-        return CacheInfo(path, False, meta["build_seconds"], meta["records"], meta["skipped"])
+        return _info(path, meta, built=False)
+    log.info("data cache: decoding and tokenizing %d records once, into %s", len(records), path)
     started = time.perf_counter()
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
     tmp.chmod(0o755)
     try:
         try:
-            kept, skipped = _write_tensors(tmp, records, encode, load, on_bad_record=on_bad_record, workers=num_workers)
+            written = _write_tensors(tmp, records, encode, load, on_bad_record=on_bad_record, workers=num_workers)
         except OSError as error:  # a full disk, a file size limit
             free = shutil.disk_usage(root).free / 2**30
             raise TrainingFailed(
                 f"cannot write the data cache under {root} ({error.strerror or error}; {free:.1f} GiB free): free "
                 "disk space, set cache_dir to a disk with room, or data.cache=false"
             ) from error
-        if not kept:
+        kept = written.kept
+        if not kept and not written.too_long:
             raise LauncherError(
-                f"data: none of the {skipped} records could be decoded (all skipped under data.on_bad_record=skip): "
-                f"fix the images, e.g. those of {records[0]['where']}"
+                f"data: none of the {written.skipped} records could be decoded (all skipped under "
+                f"data.on_bad_record=skip): fix the images, e.g. those of {records[0]['where']}"
             )
+        if not kept:
+            from launcher.data import nothing_fits
+
+            raise nothing_fits(len(records), encode.limit, written.too_long, written.skipped, written.too_long_example)
         meta = {
             "version": CACHE_VERSION,
             "key": key,
             "model": model,
             "records": len(kept),
-            "skipped": skipped,
+            "skipped": written.skipped,
+            "truncated": written.cut,
+            "too_long": written.too_long,
+            "skip_log": written.skip_log,
             "indices": kept,  # positions in the records given: which survived a skip
             "ids": [records[i]["id"] for i in kept],
             "sources": [records[i].get("source", 0) for i in kept],
@@ -161,54 +190,87 @@ def ensure_cache(
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return CacheInfo(path, True, meta["build_seconds"], meta["records"], meta["skipped"])
+    return _info(path, meta, built=True)
+
+
+def _info(path: Path, meta: dict, *, built: bool) -> CacheInfo:
+    return CacheInfo(
+        path,
+        built,
+        meta["build_seconds"],
+        meta["records"],
+        meta["skipped"],
+        meta["truncated"],
+        meta["too_long"],
+        meta["skip_log"],
+    )
 
 
 class _Decoded(Dataset):
-    """Record i -> (i, its tensors) or (i, the BadRecordError); decoding and encoding run in the workers."""
+    """Record i -> (i, its tensors, whether they were cut) or (i, the BadRecordError, False); decoding
+    and encoding run in the workers."""
 
-    def __init__(self, count: int, load: Callable[[int], dict], encode: Callable[[dict], dict[str, torch.Tensor]]):
+    def __init__(self, count: int, load: Callable[[int], dict], encode: RecordEncoder):
         self.count, self.load, self.encode = count, load, encode
 
     def __len__(self) -> int:
         return self.count
 
-    def __getitem__(self, index: int) -> tuple[int, Any]:
+    def __getitem__(self, index: int) -> tuple[int, Any, bool]:
         try:
-            return index, {k: v.numpy() for k, v in self.encode(self.load(index)).items()}
-        except BadRecordError as error:
-            return index, error
+            tensors, cut = self.encode(self.load(index))
+            return index, {k: v.numpy() for k, v in tensors.items()}, cut
+        except BadRecordError as error:  # RecordTooLong among them
+            return index, error, False
 
 
-def _as_is(item: Any) -> Any:
-    return item  # the default would turn the numpy arrays back into tensors
+@dataclass
+class _Written:
+    kept: list[int]  # positions of the records written
+    skipped: int  # bad records skipped (data.on_bad_record=skip)
+    cut: int  # records written cut to data.max_length
+    too_long: int  # records over data.max_length not written
+    skip_log: list[dict]  # each record not written, and why
+    too_long_example: str = ""  # the first record over data.max_length, and why
 
 
 def _write_tensors(
     out: Path,
     records: list[dict],
-    encode: Callable[[dict], dict[str, torch.Tensor]],
+    encode: RecordEncoder,
     load: Callable[[int], dict],
     *,
     on_bad_record: str,
     workers: int,
-) -> tuple[list[int], int]:
+) -> _Written:
+    from launcher.data import RecordTooLong, unchanged
+
     decoded = _Decoded(len(records), load, encode)
     loader = DataLoader(
-        decoded, batch_size=None, num_workers=workers, prefetch_factor=8 if workers else None, collate_fn=_as_is
+        decoded, batch_size=None, num_workers=workers, prefetch_factor=8 if workers else None, collate_fn=unchanged
     )
     files: dict[str, Any] = {}
     offsets: dict[str, list[int]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, str] = {}
-    kept, skipped = [], 0
+    written = _Written([], 0, 0, 0, [])
+    kept = written.kept
     try:
-        for index, tensors in loader:
+        for index, tensors, cut in loader:
             if isinstance(tensors, BadRecordError):
-                if on_bad_record != "skip":
+                record = records[index]
+                if isinstance(tensors, RecordTooLong):
+                    written.too_long += 1
+                    reason = f"{record['where']}: {tensors}"
+                    written.too_long_example = written.too_long_example or reason
+                elif on_bad_record != "skip":
                     raise tensors
-                skipped += 1
+                else:
+                    written.skipped += 1
+                    reason = str(tensors)
+                written.skip_log.append(skipped_entry(record.get("file", ""), record.get("index", index), reason))
                 continue
+            written.cut += cut
             for name, array in tensors.items():
                 if name not in files:  # a tensor first seen here (pixel_values after text-only records)
                     files[name] = open(out / f"{name}.bin", "wb")  # noqa: SIM115 (closed in finally)
@@ -231,7 +293,7 @@ def _write_tensors(
         **{f"{name}.shape": np.asarray(shapes[name], dtype=np.int64) for name in files},
         **{f"{name}.dtype": np.asarray(dtypes[name]) for name in files},
     )
-    return kept, skipped
+    return written
 
 
 def _read_meta(path: Path) -> dict | None:
@@ -294,25 +356,9 @@ class CachedCollator:
         self.image_every_batch = image_every_batch
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
-        from launcher.data import add_dummy_image
+        from launcher.data import add_dummy_image, pad_rows
 
-        rows = [sample["tensors"] for sample in samples]
-        width = max(len(row["input_ids"]) for row in rows)
-        batch: dict[str, torch.Tensor] = {}
-        for name, fill in PADDED_KEYS.items():
-            if name not in rows[0]:
-                continue
-            value = self.pad_token_id if fill is None else fill
-            padded = torch.full((len(rows), width), value, dtype=rows[0][name].dtype)
-            for number, row in enumerate(rows):
-                padded[number, : len(row[name])] = row[name]
-            batch[name] = padded
-        batch["attention_mask"] = torch.zeros((len(rows), width), dtype=torch.int64)
-        for number, row in enumerate(rows):
-            batch["attention_mask"][number, : len(row["input_ids"])] = 1
-        for name in rows[0]:
-            if name not in PADDED_KEYS and any(len(row[name]) for row in rows):
-                batch[name] = torch.cat([row[name] for row in rows])  # pixel_values, image_grid_thw
+        batch = pad_rows([sample["tensors"] for sample in samples], self.pad_token_id)
         if self.image_every_batch and "pixel_values" not in batch:
             batch = add_dummy_image(self.processor, batch, padding_side="right")
         return batch

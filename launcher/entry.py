@@ -21,12 +21,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from launcher import credentials
+from launcher import credentials, logs
 from launcher.errors import Interrupted, LauncherError, one_line, record_rank_error
-from launcher.job import HydraJob, JobSpec, plain, plan_job
+from launcher.job import HydraJob, JobSpec, plain, plan_job, world_size_of
 from launcher.reshard import Reshard
 from launcher.resume import argument, is_multirun, runs_a_job
 from launcher.rundir import RunDir, Summary, directory_problem, read_json, write_json_atomic
+from launcher.training_length import resolve_training_length
 
 # Exit status of a job stopped by SIGTERM/SIGUSR1 after saving its checkpoint: 128 + SIGTERM, as a
 # process killed by SIGTERM would report, so schedulers and `&&` chains see "not finished".
@@ -235,6 +236,16 @@ def already_finished(cfg: DictConfig, spec: JobSpec) -> Summary | None:
     return None
 
 
+def announce_schedule_change(run_dir: RunDir, spec: JobSpec) -> None:
+    """One line when the resumed job's learning-rate schedule is not the checkpoint's (another
+    train.max_steps re-stretches it: DeepSpeed restores only the scheduler's step count)."""
+    from launcher.checkpoint import read_marker, schedule_change
+
+    line = schedule_change(read_marker(run_dir.checkpoints, str(spec.resume_tag)), spec.ds_config)
+    if line is not None:
+        print(line, file=sys.stderr)
+
+
 def check_inputs(cfg: DictConfig, spec: JobSpec, *, launching: bool) -> None:
     """What the ranks would stop on, checked here so that it stops the job before any rank starts.
 
@@ -294,6 +305,8 @@ def run_job(
     `hydra` describes the job (default: the one Hydra runs now). `on_accept` runs once the job is
     accepted, before anything is written into the run directory (a resume writes its .hydra files)."""
     stop_during_start_up()
+    logs.route_library_logs()  # before deepspeed is imported (planning imports it)
+    logs.quiet_transformers()  # building a tiny model saves it here
     from launcher.processes import slurm_global_rank
 
     hydra = hydra or HydraJob.from_hydra()
@@ -305,6 +318,8 @@ def run_job(
     started = time.time()
     accepted = False
     try:
+        if (length := resolve_training_length(cfg, world_size_of(cfg))) is not None:
+            print(length, file=sys.stderr)
         spec = plan_job(cfg, hydra)
         check_inputs(cfg, spec, launching=not cfg.dry_run)
         check_memory(cfg, spec)
@@ -318,6 +333,8 @@ def run_job(
                 file=sys.stderr,
             )
             return math.nan if finished.objective is None else float(finished.objective)
+        if spec.resume_tag is not None:
+            announce_schedule_change(run_dir, spec)
         if spec.reshard is not None and not cfg.dry_run:
             # Before the resume is accepted (a failed conversion leaves the run as it was), and before the
             # plan is written (other nodes' launchers and SLURM tasks start on the plan).
@@ -330,6 +347,7 @@ def run_job(
         secret_env = write_plan(cfg, spec, run_dir)
         if cfg.dry_run:
             return None
+        print(spec.describe(), file=sys.stderr, flush=True)
         from launcher.processes import launch
 
         summary = launch(cfg, spec, secret_env)
@@ -366,7 +384,9 @@ def write_plan(cfg: DictConfig, spec: JobSpec, run_dir: RunDir) -> dict[str, str
         print(json.dumps(public_ds, indent=2))
         print(f"dry run: wrote {run_dir.ds_config}; nothing trained", file=sys.stderr)
     else:
-        write_json_atomic(run_dir.job, credentials.split({**spec.to_json(), "launch_id": launch_id(cfg)})[0])
+        # max_steps: the ranks read Hydra's config, where a length given in epochs is still null.
+        job = {**spec.to_json(), "launch_id": launch_id(cfg), "max_steps": int(cfg.train.max_steps)}
+        write_json_atomic(run_dir.job, credentials.split(job)[0])
     return credentials.for_ranks(cfg_secrets)
 
 

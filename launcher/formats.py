@@ -11,11 +11,12 @@ its first record (`data.format=auto`) or named:
     messages  {"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"},
                                                          {"type": "text", "text": "..."}]}, ...]}
 
-Every record becomes {"id", "where", "images": [absolute path | bytes], "messages": [{"role",
-"content": [{"type": "image"} | {"type": "text", "text"}]}]}: chat-template messages whose image parts
-take `images` in order. A record without images trains as text. In llava and sharegpt records each
-"<image>" marks where the next image goes; with no marker at all the images go before the first user
-text (as LLaVA does). Roles human/user, gpt/assistant and system map to user, assistant and system.
+Every record becomes {"id", "where", "file", "index", "images": [absolute path | bytes], "messages":
+[{"role", "content": [{"type": "image"} | {"type": "text", "text"}]}]}: chat-template messages whose
+image parts take `images` in order ("file" and "index" say where it came from). A record without images
+trains as text. In llava and sharegpt records each "<image>" marks where the next image goes; with no
+marker at all the images go before the first user text (as LLaVA does). Roles human/user, gpt/assistant
+and system map to user, assistant and system.
 
 Images are checked when read (a bad one is a bad record): the path must stay inside the image root,
 name a non-empty file that PIL identifies as an image, of at most `max_image_pixels` pixels; with
@@ -69,11 +70,15 @@ class ReadOptions:
     cache_dir: Path | None = None  # where `datasets` keeps its Arrow files
 
 
-def read_records(path: str | Path, options: ReadOptions) -> tuple[list[dict], int, str]:
+def read_records(
+    path: str | Path, options: ReadOptions, skip_log: list[dict] | None = None
+) -> tuple[list[dict], int, str]:
     """Read and check the records of one file, folder or hub id; return (records, skipped, format).
 
     on_bad_record="error" raises at the first bad record, naming the file, the record and the fix;
-    "skip" skips and counts bad records. An empty result is an error either way.
+    "skip" skips and counts bad records, and appends each to `skip_log` (when given) as
+    {"file", "record", "reason"}: reason is the line "error" would have stopped with. An empty result is
+    an error either way. Each record keeps its "file" and "index" (its position in the file).
     """
     if options.on_bad_record not in ("error", "skip"):
         raise LauncherError(f"data.on_bad_record={options.on_bad_record}: choose 'error' or 'skip'")
@@ -89,22 +94,28 @@ def read_records(path: str | Path, options: ReadOptions) -> tuple[list[dict], in
     rows = _read_rows(source, options, skip=skip)
 
     records, skipped, fmt = [], 0, None if options.format == "auto" else options.format
-    for where, raw in rows:
-        if raw is None:  # a malformed JSON line, skipped
-            skipped += 1
-            continue
+    for index, (where, raw) in enumerate(rows):
         try:
+            if isinstance(raw, BadRecordError):  # a malformed JSON line, met under skip
+                raise raw
             if fmt is None:
                 fmt = detect_format(raw, where)
-            records.append(normalize(raw, fmt, where, image_root, options))
-        except BadRecordError:
+            records.append({**normalize(raw, fmt, where, image_root, options), "file": source, "index": index})
+        except BadRecordError as error:
             if not skip:
                 raise
             skipped += 1
+            if skip_log is not None:
+                skip_log.append(skipped_entry(source, index, error))
     if not records:
         reason = f"all {skipped} records are bad and were skipped" if skipped else "it holds no records"
         raise LauncherError(f"{source}: empty data set ({reason})")
     return records, skipped, str(fmt)
+
+
+def skipped_entry(file: str, index: int, error: BaseException | str, **extra: Any) -> dict[str, Any]:
+    """One line of RUN/skipped_records.jsonl: the file, the record's position in it, and why."""
+    return {"file": str(file), "record": int(index), **extra, "reason": str(error)}
 
 
 # ----------------------------------------------------------------------------- reading rows
@@ -116,7 +127,8 @@ def _read_rows(source: str, options: ReadOptions, *, skip: bool) -> Iterator[tup
 
 
 def _json_rows(path: Path, *, skip: bool) -> Iterator[tuple[str, Any]]:
-    """(where, parsed record or None when skipped as malformed) of a JSON list or JSON lines file."""
+    """(where, parsed record, or the BadRecordError of a malformed line under skip) of a JSON list or
+    JSON lines file."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as error:
@@ -145,9 +157,10 @@ def _json_lines(path: Path, text: str, *, skip: bool) -> Iterator[tuple[str, Any
         try:
             raw = json.loads(line)
         except json.JSONDecodeError as error:
+            malformed = BadRecordError(f"{path}:{line_number}: malformed JSON in record {index} ({error.msg})")
             if not skip:
-                raise LauncherError(f"{path}:{line_number}: malformed JSON in record {index} ({error.msg})") from error
-            raw = None
+                raise malformed from error
+            raw = malformed  # read_records skips and logs it
         yield where, raw
         index += 1
 

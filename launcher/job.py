@@ -17,7 +17,14 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.ds_config import Device, build_ds_config, explicit_groups_from_overrides, precision_of
+from launcher.ds_config import (
+    Device,
+    build_ds_config,
+    explicit_groups_from_overrides,
+    labelled_choices,
+    offload_of,
+    precision_of,
+)
 from launcher.errors import LauncherError
 
 # GiB a rank's CUDA allocator may hold: launcher.tune sets it for its candidates on a GPU, so a
@@ -76,6 +83,7 @@ class JobSpec:
     method: dict[str, Any]  # what trains (the method group), as composed
     resume_tag: str | None = None
     reshard: dict[str, Any] | None = None  # a resume on another world size or ZeRO stage (launcher.reshard)
+    deepspeed_json: str | None = None  # the user's JSON the dict was composed onto (its path, as given)
 
     @property
     def precision(self) -> str:
@@ -86,6 +94,25 @@ class JobSpec:
     def zero_stage(self) -> int:
         return int(self.ds_config["zero_optimization"]["stage"])
 
+    @property
+    def labels(self) -> dict[str, Any]:
+        """The group choices that say what the dict trains with (launcher.ds_config.labelled_choices):
+        job.json's "choices", which summary.json, the comparison and W&B's tags read."""
+        return labelled_choices(
+            self.hydra.choices, self.ds_config, device=self.device, deepspeed_json=self.deepspeed_json
+        )
+
+    def describe(self) -> str:
+        """The line a run starts with: what the launcher decided, read from the final dict."""
+        ds = self.ds_config
+        ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
+        return (
+            f"job: {self.model.get('name')} ({self.method.get('name')}) on {ranks} ({self.device.kind}), "
+            f"ZeRO {self.zero_stage}, offload {offload_of(ds)}, {self.precision}; batch {ds['train_batch_size']} "
+            f"= {ds['train_micro_batch_size_per_gpu']} per rank x {ds.get('gradient_accumulation_steps', 1)} "
+            f"accumulated x {ranks}; run dir {self.hydra.run_dir}"
+        )
+
     def with_resume(self, tag: str | None, reshard: dict[str, Any] | None = None) -> JobSpec:
         return dataclasses.replace(self, resume_tag=tag, reshard=reshard)
 
@@ -95,7 +122,7 @@ class JobSpec:
             "run_dir": str(self.hydra.run_dir),
             "multirun": self.hydra.multirun,
             "overrides": list(self.hydra.overrides),
-            "choices": dict(self.hydra.choices),
+            "choices": self.labels,
             "group": self.hydra.group,
             "world_size": self.world_size,
             "ranks_per_node": self.ranks_per_node,
@@ -185,8 +212,13 @@ def plan_job(
     hidden_size = hidden_size or model_hidden_size(cfg.model)
     explicit = explicit_groups_from_overrides(list(hydra.overrides))
     base = load_deepspeed_json(cfg.deepspeed_json) if cfg.deepspeed_json else None
+    job_cfg = plain(cfg)
+    if job_cfg["train"]["max_steps"] is None and job_cfg["train"]["epochs"] is not None:
+        # Planned before the data is counted (the planner, the tuner's candidates; a run counts it first,
+        # launcher.training_length): the schedule's length changes no memory figure, so a stand-in does.
+        job_cfg["train"]["max_steps"] = 1
     ds = build_ds_config(
-        plain(cfg),
+        job_cfg,
         world_size=world_size,
         hidden_size=hidden_size,
         device=device,
@@ -209,6 +241,7 @@ def plan_job(
         model=plain(cfg.model),
         method=plain(cfg.method),
         resume_tag=None,
+        deepspeed_json=cfg.deepspeed_json or None,
     )
 
 

@@ -11,12 +11,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from launcher.ds_config import precision_of
+from launcher.ds_config import fastest_precisions, precision_of
 from launcher.errors import LauncherError
 
 GiB = 2**30
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-PRECISION_ORDER = ("bf16", "fp16", "fp32")  # fastest first, at equal memory bf16 before fp16 (no loss scaling)
 
 # The presets in conf/deepspeed, fastest first: (zero stage, offload.optimizer, offload.param).
 # tests/test_plan.py checks this table against the composed presets.
@@ -412,12 +411,14 @@ class Row:
     why: str  # why it does not fit, or why it could not be estimated
 
 
-def recommend(rows: Sequence[Row]) -> Row | None:
-    """The fastest row expected to fit: presets in PRESETS order, then bf16, fp16, fp32."""
+def recommend(rows: Sequence[Row], kind: str = "cuda") -> Row | None:
+    """The fastest row expected to fit on a device of this kind: presets in PRESETS order, then the
+    precisions fastest first there (bf16, fp16, fp32 on a GPU; fp32 first on a CPU)."""
     order = list(PRESETS)
+    dtypes = fastest_precisions(kind)
 
     def speed(row: Row) -> tuple[int, int]:
-        return order.index(row.preset), PRECISION_ORDER.index(row.dtype)
+        return order.index(row.preset), dtypes.index(row.dtype)
 
     fitting = [row for row in rows if row.fits and row.preset in PRESETS]
     return min(fitting, key=speed) if fitting else None

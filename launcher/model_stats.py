@@ -190,12 +190,55 @@ def _image_tokens(cfg: DictConfig, config) -> tuple[int, int, int]:
 def sequence(cfg: DictConfig, stats: ModelStats) -> tuple[int, int]:
     """(language-model tokens per sample, images per sample).
 
-    plan.seq_len when set; else plan.text_tokens (default 512, or 32 for tiny models, whose built-in
-    conversations are about 15 text tokens) plus the image tokens of plan.images_per_sample images.
+    plan.seq_len when set; else data.max_length when set: a batch is padded to its longest sample and
+    no sample is longer, so a job's memory is bounded by it (a plan.text_tokens given as well is
+    planned, up to data.max_length); else plan.text_tokens (default 512, or 32 for tiny models, whose
+    built-in conversations are about 15 text tokens) plus the image tokens of plan.images_per_sample
+    images.
     """
     plan = cfg.plan
     images = int(plan.images_per_sample)
     if plan.seq_len:
         return int(plan.seq_len), images
+    longest = cfg.data.get("max_length")
+    if planned_at_max_length(cfg):
+        return int(longest), images
     text = plan.text_tokens or (32 if cfg.model.source == "tiny" else 512)
-    return int(text) + images * stats.image_tokens, images
+    typical = int(text) + images * stats.image_tokens
+    return (typical if longest is None else min(typical, int(longest))), images
+
+
+def planned_at_max_length(cfg: DictConfig) -> bool:
+    """Whether `sequence` plans data.max_length tokens per sample (neither plan.seq_len nor
+    plan.text_tokens given, and a limit set)."""
+    return not cfg.plan.seq_len and not cfg.plan.text_tokens and cfg.data.get("max_length") is not None
+
+
+def fewest_image_tokens(cfg: DictConfig) -> tuple[int, str] | None:
+    """(the fewest language-model tokens one image takes with this model, what decides it); None when
+    the model's config cannot be read here (training says why).
+
+    LLaVA: every image the same, its vision tower's patches. Qwen2-VL: an image brought up to
+    model.min_pixels (default the processor's 56 x 56). A tiny model: from model.image_size, read from
+    the config group (nothing is built)."""
+    model = cfg.model
+    if model.source == "tiny":
+        side = int(model.image_size) // int(model.patch_size)
+        merged = 4 if str(model.arch) == "tiny_qwen2_vl" else 1
+        return side * side // merged, f"{model.arch} at model.image_size={model.image_size}"
+    from launcher.models import read_config
+
+    try:
+        config = read_config(str(model.path))
+    except LauncherError:
+        return None
+    vision_config = config.vision_config
+    merge = getattr(vision_config, "spatial_merge_size", None)
+    if not merge:
+        return _image_tokens(cfg, config)[1], f"{config.model_type}, every image"
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    unit = vision_config.patch_size * merge
+    low = int(model.get("min_pixels") or 56 * 56)
+    height, width = smart_resize(unit, unit, factor=unit, min_pixels=low, max_pixels=max(low, 28 * 28 * 1280))
+    return (height // unit) * (width // unit), f"{config.model_type}, an image of model.min_pixels={low}"

@@ -22,10 +22,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from launcher.ds_config import fastest_precisions
 from launcher.errors import LauncherError, one_line
 from launcher.job import HydraJob, JobSpec, plan_job, variant_overrides, world_size_of
 from launcher.memory import (
-    PRECISION_ORDER,
     PRESETS,
     GiB,
     Layout,
@@ -36,7 +36,7 @@ from launcher.memory import (
     layout_from_ds_config,
     recommend,
 )
-from launcher.model_stats import ModelStats, model_stats, sequence
+from launcher.model_stats import ModelStats, model_stats, planned_at_max_length, sequence
 
 
 # ================================================================================ the machine
@@ -52,12 +52,13 @@ def target_device(plan: DictConfig) -> Target:
     if device.kind == "cpu" and plan.gpu_memory_gb:
         # Planning a GPU job from a machine without one: assume a current GPU (bf16 and fp16), and
         # check CPU memory only when plan.cpu_memory_gb says how much that machine has.
-        kind, precisions = "cuda", ("bf16", "fp16", "fp32")
+        kind, precisions = "cuda", fastest_precisions("cuda")
         cpu_bytes = int(plan.cpu_memory_gb * GiB) if plan.cpu_memory_gb else None
         source = f"plan.gpu_memory_gb={plan.gpu_memory_gb:g}"
     else:
         kind = device.kind
-        precisions = tuple(p for p, ok in (("bf16", device.bf16), ("fp16", device.fp16), ("fp32", True)) if ok)
+        supported = {"bf16": device.bf16, "fp16": device.fp16, "fp32": True}
+        precisions = tuple(p for p in fastest_precisions(kind) if supported[p])  # fastest first (fp32 on a CPU)
         if plan.gpu_memory_gb:
             source = f"plan.gpu_memory_gb={plan.gpu_memory_gb:g}"
         else:
@@ -71,7 +72,7 @@ def target_device(plan: DictConfig) -> Target:
 
         device_bytes = int(get_accelerator().total_memory())
     if plan.precisions:  # an enum list: the schema refused anything else at compose time
-        precisions = tuple(p for p in PRECISION_ORDER if p in plan.precisions)
+        precisions = tuple(p for p in fastest_precisions(kind) if p in plan.precisions)
     if not 0 <= plan.headroom < 1:
         raise LauncherError(f"plan.headroom={plan.headroom} must be a fraction in [0, 1)")
     return Target(kind, device_bytes, cpu_bytes, precisions, float(plan.headroom), source)
@@ -172,11 +173,11 @@ def preflight(cfg: DictConfig, spec: JobSpec) -> str | None:
     if ok:
         return None
     rows = plan_rows(cfg, spec.hydra.overrides, stats, target, precisions=(layout.dtype,))
-    best = recommend(rows)
+    best = recommend(rows, target.kind)
     if best is not None:
         advice = f"expected to fit: deepspeed={best.preset} precision={best.dtype}"
     else:
-        advice = "no preset is expected to fit: lower train.micro_batch_size or plan.seq_len, or add ranks"
+        advice = "no preset is expected to fit: lower train.micro_batch_size or data.max_length, or add ranks"
     return (
         f"memory plan: {layout.describe()} {why} (model states {est.states.on_device / GiB:.1f}, activations "
         f"{est.activations / GiB:.1f} at micro batch {layout.micro_batch} x {seq_len} tokens, buffers "
@@ -257,7 +258,8 @@ def report(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
         f"model {stats.name}: {stats.total / 1e6:,.1f}M parameters ({components}); "
         f"{stats.trainable / 1e6:,.1f}M trainable (method={cfg.method.name})",
         f"job: {world_size} rank(s), {cfg.dist.nproc_per_node} per node; micro batch {micro}; "
-        f"{seq_len} tokens per sample ({images} image(s) x {stats.image_tokens} image tokens)",
+        f"{seq_len} tokens per sample ({'data.max_length; ' if planned_at_max_length(cfg) else ''}"
+        f"{images} image(s) x {stats.image_tokens} image tokens)",
         f"device: {target.device_bytes / GiB:.1f} GiB ({target.source}); CPU per node: {cpu}; "
         f"fits = within {1 - target.headroom:.0%} (plan.headroom={target.headroom:g})",
         f"{_unit(rows)[0]} per device unless noted; model states = parameters, gradients, fp32 master weights, "
@@ -266,10 +268,10 @@ def report(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
         format_table(rows, stats, markdown=bool(cfg.plan.markdown)),
         "",
     ]
-    best = recommend(rows)
+    best = recommend(rows, target.kind)
     if best is None:
         lines.append(
-            "recommendation: nothing is expected to fit; lower train.micro_batch_size or plan.seq_len, or add ranks"
+            "recommendation: nothing is expected to fit; lower train.micro_batch_size or data.max_length, or add ranks"
         )
     else:
         lines.append(

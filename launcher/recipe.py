@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from launcher import checkpoint, credentials, device_memory, ops
+from launcher import checkpoint, credentials, device_memory, logs, ops
 from launcher.device_memory import MemoryMeter
 from launcher.errors import LauncherError, TrainingFailed, one_line, record_rank_error, step_failure
 from launcher.job import CUDA_MEMORY_CAP_ENV, plain
@@ -127,6 +127,8 @@ class Data:
     sampler: Any = None
     source_names: list[str] = field(default_factory=list)  # of a mixture (data.sources); empty otherwise
     cache: dict[str, Any] = field(default_factory=dict)  # what the data cache did (summary.extra["data_cache"])
+    records_truncated: int = 0  # cut to data.max_length
+    records_too_long: int = 0  # over data.max_length, skipped
 
     def source_counts(self, global_draws: int) -> dict[str, int]:
         """Training samples drawn from each source of a mixture so far (all ranks)."""
@@ -227,9 +229,13 @@ def train(cfg: DictConfig, run_dir: Path) -> Summary:
     session: Session | None = None
     watchdog: StepWatchdog | None = None
     job = read_json(directory.job)
+    if cfg.train.max_steps is None:  # given in epochs: the launcher counted the data (job.json)
+        cfg.train.max_steps = int(job["max_steps"])
     summary = Summary.for_job(job)
     rank = 0
     try:
+        # Before deepspeed is imported (it logs from its import on); RANK is set by every launcher.
+        logs.setup_rank_log(directory.train_log, int(os.environ.get("RANK", "0")))
         place = init_distributed(cfg)
         rank = place.rank
         if place.world_size != job["world_size"]:
@@ -237,10 +243,8 @@ def train(cfg: DictConfig, run_dir: Path) -> Summary:
                 f"{place.world_size} ranks started, but the job was planned for world size {job['world_size']} "
                 f"(dist.nnodes={cfg.dist.nnodes} x dist.nproc_per_node={cfg.dist.nproc_per_node}): make them agree"
             )
-        if place.is_main:
-            _setup_rank0_log(directory)
-            if not job.get("resume_tag"):  # a resume writes its summary once its checkpoint has loaded
-                directory.write_summary(summary)
+        if place.is_main and not job.get("resume_tag"):  # a resume writes its summary once its checkpoint loaded
+            directory.write_summary(summary)
         session = Session(cfg=cfg, run_dir=directory, job=job, rank=place, summary=summary)
         setup(session)
         if place.is_main and job.get("resume_tag"):
@@ -355,6 +359,7 @@ def setup(s: Session) -> None:
         "global_batch": int(ds_config["train_batch_size"]),
         "offload_optimizer": (ds_config["zero_optimization"].get("offload_optimizer") or {}).get("device", "none"),
         "micro_batch": s.micro,
+        "lr_schedule": checkpoint.lr_schedule_of(ds_config),  # a resume says when it changes the schedule
         "param_names": [name for name, param in s.engine.module.named_parameters() if param.requires_grad],
     }
     resumed_rng = resume(s)
@@ -433,6 +438,7 @@ def setup_model(s: Session, ds_config: dict[str, Any], cache: Path, records: lis
         extra["quantization_config"] = quantization_config(cfg.method, precision)
         if hf_ds_config is None:  # bitsandbytes quantises as the weights reach the GPU; ZeRO-3 places them itself
             extra["device_map"] = {"": s.rank.device}
+    logs.quiet_transformers()
     model, processor = load_model_and_processor(
         model_path,
         attn_implementation=attention,
@@ -487,28 +493,26 @@ def setup_data(s: Session, loaded: Any, cache: Path) -> Data:
 
     With data.cache the records are decoded and tokenized once, by rank 0 while the others wait, and
     training reads tensors. At ZeRO-3 with several ranks every batch runs the vision tower (a dummy
-    image where a batch has none): otherwise ranks whose batches differ in modality hang."""
+    image where a batch has none): otherwise ranks whose batches differ in modality hang. Records over
+    data.max_length are cut or skipped alike with the cache or without it; rank 0 lists those skipped in
+    RUN/skipped_records.jsonl."""
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from launcher.data import Collator, ConversationDataset
-    from launcher.data_cache import CachedCollator
+    from launcher.data import ConversationDataset
     from launcher.sampling import LengthGroupedSampler, MixtureSampler
 
     cfg, rank, micro = s.cfg, s.rank, s.micro
     guard = cfg.data.get("modality_guard")
     if guard is None:
         guard = s.engine.zero_optimization_stage() == 3 and rank.world_size > 1
-    skipped = loaded.skipped
+    tally = SkipTally(bad=loaded.skipped, entries=list(loaded.skip_log))
     cache_info: dict[str, Any] = {}
-    if cfg.data.cache:
-        train_set, train_cache = _cached_dataset(s, loaded.train, cache)
-        collate: Any = CachedCollator(s.processor, image_every_batch=guard)
-        skipped += train_cache.skipped
+    train_set, collate, train_records, train_cache = _split_dataset(s, loaded.train, cache, "train", guard, tally)
+    if train_cache is not None:
         cache_info = {"path": str(train_cache.path), "built": train_cache.built, "build_s": train_cache.build_seconds}
         sources = train_set.sources
     else:
-        train_set, collate = ConversationDataset(loaded.train), Collator(s.processor, image_every_batch=guard)
-        sources = [record["source"] for record in loaded.train]
+        sources = [record["source"] for record in train_records]
     if len(train_set) < micro * rank.world_size:  # records whose images failed to decode were skipped
         raise LauncherError(
             f"data: {len(train_set)} usable training records, fewer than one global micro-batch "
@@ -544,14 +548,7 @@ def setup_data(s: Session, loaded: Any, cache: Path) -> Data:
     )
     eval_loader = accuracy_set = None
     if loaded.eval:
-        eval_records = loaded.eval
-        if cfg.data.cache:
-            eval_set, eval_cache = _cached_dataset(s, loaded.eval, cache)
-            eval_collate: Any = CachedCollator(s.processor, image_every_batch=guard)
-            skipped += eval_cache.skipped
-            eval_records = [loaded.eval[index] for index in eval_set.indices]  # those that decoded
-        else:
-            eval_set, eval_collate = ConversationDataset(loaded.eval), Collator(s.processor, image_every_batch=guard)
+        eval_set, eval_collate, eval_records, _ = _split_dataset(s, loaded.eval, cache, "eval", guard, tally)
         eval_sampler = DistributedSampler(eval_set, num_replicas=rank.world_size, rank=rank.rank, shuffle=False)
         eval_generator = torch.Generator().manual_seed(seed)
         eval_loader = DataLoader(
@@ -569,10 +566,79 @@ def setup_data(s: Session, loaded: Any, cache: Path) -> Data:
     position = checkpoint.DataPosition()
     batches = checkpoint.batches(train_loader, sampler, position, micro)
     names = [source.name for source in loaded.sources] if loaded.mixture else []
-    return Data(batches, position, eval_loader, accuracy_set, skipped, sampler, names, cache_info)
+    if rank.is_main:
+        _report_skipped(s, tally)
+    return Data(
+        batches,
+        position,
+        eval_loader,
+        accuracy_set,
+        tally.bad,
+        sampler,
+        names,
+        cache_info,
+        records_truncated=tally.truncated,
+        records_too_long=tally.too_long,
+    )
 
 
-def _cached_dataset(s: Session, records: list[dict], cache: Path) -> tuple[Any, Any]:
+@dataclass
+class SkipTally:
+    """Records left out (bad, or over data.max_length) and cut, over the splits: the summary's counts and
+    the lines of RUN/skipped_records.jsonl."""
+
+    bad: int = 0
+    too_long: int = 0
+    truncated: int = 0
+    entries: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _split_dataset(
+    s: Session, records: list[dict], cache: Path, split: str, guard: bool, tally: SkipTally
+) -> tuple[Any, Any, list[dict], Any]:
+    """(dataset, collate function, the records that train, the cache's CacheInfo or None) of one split,
+    through the data cache or not, under data.max_length: both ways cut and skip the same records."""
+    from launcher.data import Collator, ConversationDataset, LengthLimit, fit_records
+    from launcher.data_cache import CachedCollator
+    from launcher.formats import skipped_entry
+
+    limit = LengthLimit.of(s.cfg.data)
+    if s.cfg.data.cache:
+        dataset, info = _cached_dataset(s, records, cache, limit)
+        tally.bad += info.skipped
+        tally.too_long += info.too_long
+        tally.truncated += info.truncated
+        tally.entries += [{"split": split, **entry} for entry in info.skip_log]
+        kept = [records[index] for index in dataset.indices]  # those that decoded and fit
+        return dataset, CachedCollator(s.processor, image_every_batch=guard), kept, info
+    report = fit_records(records, s.processor, limit, num_workers=int(s.cfg.data.num_workers))
+    tally.too_long += len(report.skipped)
+    tally.truncated += report.cut
+    for index, reason in report.skipped:
+        record = records[index]
+        entry = skipped_entry(record.get("file", ""), record.get("index", index), reason)
+        tally.entries.append({"split": split, **entry})
+    kept = [records[index] for index in report.kept]
+    return ConversationDataset(kept), Collator(s.processor, image_every_batch=guard, limit=limit), kept, None
+
+
+def _report_skipped(s: Session, tally: SkipTally) -> None:
+    """Rank 0: RUN/skipped_records.jsonl (rewritten at every start, so a resume repeats no line) and one
+    log line with the counts, naming the file."""
+    s.run_dir.write_skipped_records(tally.entries)
+    longest = s.cfg.data.get("max_length")
+    parts = [
+        f"{tally.bad} bad record(s) skipped" if tally.bad else "",
+        f"{tally.too_long} record(s) over data.max_length={longest} skipped" if tally.too_long else "",
+        f"{tally.truncated} record(s) truncated to data.max_length={longest}" if tally.truncated else "",
+    ]
+    parts = [part for part in parts if part]
+    if parts:
+        where = f": see {s.run_dir.skipped_records}" if tally.entries else ""
+        log.info("data: %s%s", ", ".join(parts), where)
+
+
+def _cached_dataset(s: Session, records: list[dict], cache: Path, limit: Any) -> tuple[Any, Any]:
     """The records as a CachedDataset; rank 0 builds the cache when missing while the others wait."""
     from launcher.data import ConversationDataset
     from launcher.data_cache import CachedDataset, RecordEncoder, ensure_cache
@@ -583,7 +649,7 @@ def _cached_dataset(s: Session, records: list[dict], cache: Path) -> tuple[Any, 
             records,
             s.processor,
             s.summary.extra["base_model"],
-            RecordEncoder(s.processor),
+            RecordEncoder(s.processor, limit),
             ConversationDataset(records).__getitem__,
             on_bad_record=str(s.cfg.data.on_bad_record),
             num_workers=int(s.cfg.data.num_workers),
@@ -597,6 +663,7 @@ def _cached_dataset(s: Session, records: list[dict], cache: Path) -> tuple[Any, 
             f"built in {info.build_seconds:.1f} s" if info.built else "reused",
             info.records,
             info.skipped,
+            extra={} if info.built else logs.FILE_ONLY,  # a build took a while: the terminal says so
         )
     _barrier()
     info = build() if not s.rank.is_main else info
@@ -828,6 +895,8 @@ def finish(s: Session, stopped_at: int | None) -> Summary:
     summary.peak_memory_bytes = memory.pop(device_memory.PEAK)
     summary.extra["memory"] = {key.removeprefix("mem/"): value for key, value in memory.items()}
     summary.extra["records_skipped"] = s.data.records_skipped
+    summary.extra["records_too_long"] = s.data.records_too_long  # over data.max_length, skipped
+    summary.extra["records_truncated"] = s.data.records_truncated  # cut to data.max_length
     if s.data.cache:
         summary.extra["data_cache"] = s.data.cache
     if s.data.source_names:
@@ -835,10 +904,12 @@ def finish(s: Session, stopped_at: int | None) -> Summary:
     summary.objective = getattr(summary, OBJECTIVES[str(s.cfg.objective)])
     if s.rank.is_main:
         s.run_dir.write_summary(summary)
+        wandb_line = None
         if s.logger is not None:
             _flush_history(s)
-            s.logger.finish(summary.to_json(), exit_code=0)
-        _print_final_table(summary, s.run_dir)
+            s.logger.finish(summary.to_json(), exit_code=0, hint=False)  # the table names the run
+            wandb_line = s.logger.describe()
+        _print_final_table(summary, s.run_dir, wandb_line)
     return summary
 
 
@@ -986,7 +1057,7 @@ class _Progress:
         if self.bar is not None:
             self.bar.set_postfix_str(text, refresh=False)  # update() redraws, at most every 0.1 s
             self.bar.update(1)
-        elif step % self.log_every == 0 or step == 1:
+        elif step % self.log_every == 0 or step in (1, self.total):
             log.info("step %d/%d | %s | lr %.2e", step, self.total, text, metrics["train/lr"])
 
     def close(self) -> None:
@@ -994,35 +1065,34 @@ class _Progress:
             self.bar.close()
 
 
-def _setup_rank0_log(run_dir: RunDir) -> None:
-    """train.log and the console for rank 0 (Hydra sets this up in-process; torchrun ranks do not)."""
-    root = logging.getLogger()
-    if not any(isinstance(h, logging.FileHandler) for h in root.handlers):
-        handler = logging.FileHandler(run_dir.train_log)
-        handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
-        root.addHandler(handler)
-        console = logging.StreamHandler()
-        console.setFormatter(logging.Formatter("[%(asctime)s][%(levelname)s] %(message)s"))
-        root.addHandler(console)
-    root.setLevel(logging.INFO)
+def _print_final_table(summary: Summary, run_dir: RunDir, wandb_line: str | None) -> None:
+    """The run's one summary on the terminal: how it ended, its figures, where its files are."""
 
+    def figure(value: float | None, digits: int = 4) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
 
-def _print_final_table(summary: Summary, run_dir: RunDir) -> None:
+    loss = figure(summary.final_loss)
+    if summary.eval_loss is not None:
+        held_out = f"held-out {figure(summary.eval_loss)}"
+        if summary.eval_accuracy is not None:
+            held_out += f", exact match {figure(summary.eval_accuracy, 3)}"
+        loss += f" ({held_out})"
     rows = [
-        ("status", summary.status),
-        ("steps", summary.steps),
-        ("final loss", summary.final_loss),
-        ("eval loss", summary.eval_loss),
-        ("eval accuracy", summary.eval_accuracy),
-        ("samples/s", summary.samples_per_sec),
-        ("peak memory", f"{(summary.peak_memory_bytes or 0) / 2**20:.0f} MiB"),
-        ("wall time", f"{summary.wall_s:.1f} s"),
-        ("run dir", str(run_dir.path)),
-        ("model", str(run_dir.model)),
+        ("loss", loss),
+        ("speed", f"{figure(summary.samples_per_sec, 1)} samples/s, peak memory {_mib(summary.peak_memory_bytes)}"),
+        ("run dir", f"{run_dir.path} (train.log, summary.json, metrics.jsonl)"),
     ]
+    if summary.status == "completed":
+        rows.append(("model", str(run_dir.model)))
+    if wandb_line:
+        rows.append(("W&B", wandb_line))
     width = max(len(name) for name, _ in rows)
-    lines = [f"  {name:<{width}}  {round(v, 4) if isinstance(v, float) else v}" for name, v in rows]
-    print("\n".join(["", "run summary", *lines]), flush=True)
+    title = f"run summary: {summary.status}, {summary.steps} steps in {summary.wall_s:.1f} s"
+    print("\n".join(["", title, *(f"  {name:<{width}}  {value}" for name, value in rows)]), flush=True)
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.0f} MiB"
 
 
 def _start_logger(s: Session, ds_config: dict[str, Any]) -> Any:

@@ -8,6 +8,7 @@
     train.log          the log of rank 0
     checkpoints/       resumable checkpoints (launcher.checkpoint)
     errors/            each failing rank's one-line error and traceback (launcher.errors)
+    skipped_records.jsonl  each record skipped (bad, or over data.max_length): file, record, reason
     model/             the final model in Hugging Face format
     stop_requested     a stop signal forwarded to the ranks by the launcher process
     wandb_run_id       the W&B run a resume continues; wandb/ holds W&B's own files
@@ -90,6 +91,25 @@ class RunDir:
     @property
     def model(self) -> Path:
         return self.path / "model"
+
+    @property
+    def skipped_records(self) -> Path:
+        return self.path / "skipped_records.jsonl"
+
+    def write_skipped_records(self, entries: list[dict[str, Any]]) -> None:
+        """Rank 0: one JSON line per record the run skips, replacing the file (a resume finds the same
+        records again, and writes them once); no file when nothing is skipped."""
+        if not entries:
+            self.skipped_records.unlink(missing_ok=True)
+            return
+        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".skipped_records.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as handle:
+                handle.writelines(json.dumps(entry, default=str) + "\n" for entry in entries)
+            os.replace(tmp, self.skipped_records)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     @property
     def stop_file(self) -> Path:
@@ -197,11 +217,15 @@ class Summary:
 
     @classmethod
     def for_job(cls, job: dict[str, Any]) -> Summary:
-        """The summary of a job that has not produced anything yet."""
+        """The summary of a job that has not produced anything yet.
+
+        A planned job's "choices" are its labels (launcher.ds_config.labelled_choices: what the DeepSpeed
+        dict trains with, a `deepspeed_json` run's included), and its stage and precision the dict's."""
         choices = dict(job.get("choices") or {})
         return cls(
             world_size=job.get("world_size"),
-            precision=choices.get("precision"),
+            zero_stage=job.get("zero_stage"),
+            precision=job.get("precision") or choices.get("precision"),
             offload=choices.get("offload"),
             comm=choices.get("comm"),
             deepspeed=choices.get("deepspeed"),

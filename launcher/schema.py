@@ -41,6 +41,7 @@ OffloadDevice = _choice("OffloadDevice", ("none", "cpu", "nvme"))
 ModelSource = _choice("ModelSource", ("tiny", "pretrained"))
 TinyArch = _choice("TinyArch", ("tiny_llava", "tiny_qwen2_vl"))
 OnBadRecord = _choice("OnBadRecord", ("error", "skip"))
+Truncation = _choice("Truncation", ("truncate", "skip"))
 DataFormat = _choice("DataFormat", ("auto", "llava", "sharegpt", "messages"))
 DistLauncher = _choice("DistLauncher", ("local", "torchrun", "deepspeed", "slurm"))
 DistBackend = _choice("DistBackend", ("auto", "nccl", "gloo", "ccl"))
@@ -130,10 +131,12 @@ class TrainConfig:
     micro_batch_size: int | None = MISSING
     grad_accum: int | None = MISSING
     global_batch_size: int | None = MISSING
-    max_steps: int = MISSING
+    max_steps: int | None = MISSING  # null: train.epochs decides (launcher.entry.resolve_training_length)
+    epochs: float | None = MISSING
     lr: float = MISSING
     weight_decay: float = MISSING
     warmup_steps: int | None = MISSING
+    warmup_ratio: float | None = MISSING
     min_lr_ratio: float = MISSING
     betas: list[float] = MISSING
     eps: float = MISSING
@@ -230,6 +233,12 @@ class DataConfig:
     # error: stop at the first bad record; skip: skip bad records and count them.
     on_bad_record: OnBadRecord = OnBadRecord.error
     max_image_pixels: int = 64_000_000  # a larger image is a bad record (a decompression bomb)
+    # Tokens per sample as the model sees them (text + image tokens); null: no limit. A longer record is
+    # cut (truncate: the answer side from the end, images kept whole, the prompt kept, at least 16 answer
+    # tokens kept, else skipped) or skipped (skip); skipped records are listed in RUN/skipped_records.jsonl.
+    # The memory planner plans for it (a batch is padded to its longest record).
+    max_length: int | None = 2048
+    truncation: Truncation = Truncation.truncate
     # Decode, resize and tokenize every record once into cache_dir/data_cache (memory-mapped tensors).
     cache: bool = True
     # Batches of records of similar length (less padding); needs data.cache (the lengths come from it).
@@ -296,7 +305,8 @@ class PlanConfig:
     cpu_memory_gb: float | None = None
     # Fraction of each memory kept free (CUDA context, allocator fragmentation, NCCL buffers).
     headroom: float = 0.1
-    # Language-model tokens per sample (text + image tokens); null: text_tokens + the model's image tokens.
+    # Language-model tokens per sample (text + image tokens); null: data.max_length where set (the most a
+    # sample holds), else text_tokens + the model's image tokens.
     seq_len: int | None = None
     text_tokens: int | None = None  # null: 512 (tiny models: 32)
     images_per_sample: int = 1

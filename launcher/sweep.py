@@ -1,4 +1,4 @@
-"""End of a multirun: write the comparison into the sweep directory, and fail if any job failed.
+"""End of a multirun: the comparison on the terminal and in the sweep directory; fail if any job failed.
 
 Registered as a Hydra callback in `conf/config.yaml`; Hydra calls it once the last job returned.
 """
@@ -27,16 +27,16 @@ def failed_jobs(sweep_dir: Path) -> list[tuple[str, str]]:
 
 class SweepReport(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from launcher.compare import write_comparison
+        from launcher.compare import load_runs, terminal_table, write_outputs, written_line
 
         sweep_dir = Path(config.hydra.sweep.dir)
         if not sweep_dir.is_dir():
             return
-        report = write_comparison(sweep_dir)
-        print(f"\ncomparison: {report} (+ compare.csv, compare.png)", flush=True)
+        rows = load_runs([sweep_dir])
+        report = write_outputs(rows, sweep_dir, sweep_dir.name)
+        print(f"\n{terminal_table(rows)}\n\n{written_line(report.absolute())}", flush=True)
         failed = failed_jobs(sweep_dir)
-        if failed:
-            for job, error in failed:
-                print(f"job {job} failed: {error}", file=sys.stderr)
-            print(f"error: {len(failed)} job(s) of the sweep failed", file=sys.stderr)
+        if failed:  # the table's last lines name each failed run with its error
+            jobs = ", ".join(job for job, _ in failed)
+            print(f"error: {len(failed)} job(s) of the sweep failed (job {jobs}; errors above)", file=sys.stderr)
             sys.exit(1)

@@ -109,6 +109,11 @@ def check_knobs(cfg: DictConfig) -> None:
             f"dist.step_timeout_s={dist.step_timeout_s} must be a number of seconds, or 0 (or null) for no watchdog"
         )
     _at_least(data, "max_image_pixels", 1, "data")
+    if data.get("max_length") is not None and int(data.max_length) < 1:
+        raise LauncherError(
+            f"data.max_length={data.max_length} must be a positive number of tokens per sample (text + image "
+            "tokens), e.g. 2048, or null for no limit"
+        )
     if dist.master_port is not None and not 1 <= int(dist.master_port) <= 65535:
         raise LauncherError(f"dist.master_port={dist.master_port} must be a TCP port in [1, 65535]")
     _at_least(train, "keep_checkpoints", 1, "train")
@@ -202,7 +207,26 @@ def check_model_choices(cfg: DictConfig, device_kind: str, precision: str, *, la
 
         config = read_config(model_dir(cfg))
         check_pixel_limits(config, min_pixels=min_pixels, max_pixels=max_pixels, tiny=cfg.model.source == "tiny")
+    check_max_length(cfg)
     return attn
+
+
+def check_max_length(cfg: DictConfig) -> None:
+    """data.max_length must leave room beside one image: below that every record with an image is
+    skipped, which training would only find record by record."""
+    longest = cfg.data.get("max_length")
+    if longest is None:
+        return
+    from launcher.model_stats import fewest_image_tokens
+
+    found = fewest_image_tokens(cfg)
+    if found is not None and int(longest) <= found[0]:
+        tokens, what = found
+        raise LauncherError(
+            f"data.max_length={longest} leaves no room beside one image's {tokens} tokens ({what}): every "
+            f"record with an image would be skipped; raise data.max_length (e.g. {max(2048, 2 * tokens)}), or "
+            "null for no limit"
+        )
 
 
 def check_data(data: DictConfig) -> None:

@@ -48,6 +48,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from launcher.logs import FILE_ONLY
+
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "online", "offline", "disabled")
@@ -363,6 +365,10 @@ class WandbRun:
         self.mode = mode if run is not None else "disabled"
         self.run_id: str | None = getattr(run, "id", None)
         self.sync_dir: Path | None = None
+        self.url: str | None = None
+        if run is not None and self.mode == "online":
+            with suppress(Exception):
+                self.url = run.url
         if run is not None:
             try:
                 self.sync_dir = Path(run.settings.sync_dir)
@@ -452,9 +458,12 @@ class WandbRun:
             run = cls._init(wandb, "offline", init_timeout_s, init_kwargs)
         if run is None:
             return cls(None, run_dir, "disabled")
-        log.info("W&B %s run %s started in %.1f s", mode, run.id, time.perf_counter() - started)
-
         self = cls(run, run_dir, mode)
+        seconds = time.perf_counter() - started
+        if self.url:  # online: where to watch it, on the terminal; offline, the run summary names the run
+            log.info("W&B online run %s started in %.1f s: %s", run.id, seconds, self.url)
+        else:
+            log.info("W&B %s run %s started in %.1f s", mode, run.id, seconds, extra=FILE_ONLY)
         try:
             (run_dir / RUN_ID_FILE).write_text(f"{run.id}\n")
             run.define_metric(STEP_METRIC)
@@ -468,8 +477,12 @@ class WandbRun:
     @staticmethod
     def _init(wandb: Any, mode: str, init_timeout_s: float, init_kwargs: dict[str, Any]) -> Any:
         try:
+            # Silent: W&B's own lines (its banner, the history and summary block at the end) would outnumber
+            # the run's; the launcher says where the run is (launcher.logs). WANDB_SILENT=false shows them.
+            silent = os.environ.get("WANDB_SILENT", "true").strip().lower() not in ("false", "0", "no")
+            settings = wandb.Settings(init_timeout=init_timeout_s, silent=silent)
             with _redacted_argv():
-                return wandb.init(mode=mode, settings=wandb.Settings(init_timeout=init_timeout_s), **init_kwargs)
+                return wandb.init(mode=mode, settings=settings, **init_kwargs)
         except Exception as exc:
             fallback = "logging offline instead" if mode == "online" else "W&B logging disabled"
             log.warning("W&B %s init failed (%s); %s", mode, _one_line(exc), fallback)
@@ -556,6 +569,14 @@ class WandbRun:
             return
         if hint and self.mode == "offline" and self.sync_dir is not None:
             print(self.sync_hint(), flush=True)
+
+    def describe(self) -> str:
+        """One line for the run summary: the online run's address, or how to upload the offline run."""
+        if self.url:
+            return f"online run {self.run_id}: {self.url}"
+        if self.sync_dir is None:
+            return f"{self.mode} run {self.run_id}"
+        return self.sync_hint().removeprefix("W&B ")
 
     def sync_hint(self) -> str:
         """The one-line command that uploads this offline run (all its resumed segments in run_dir)."""

@@ -67,13 +67,17 @@ def isolated_env(tmp_path: Path) -> dict[str, str]:
 
 @pytest.fixture
 def run_train(isolated_env: dict[str, str]) -> Callable[..., subprocess.CompletedProcess[str]]:
-    """Run `python train.py ARGS` in the project root and capture its output."""
+    """Run `python train.py ARGS` in the project root and capture its output (`env`: variables to set,
+    or to unset with None)."""
 
-    def run(*args: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    def run(
+        *args: str, timeout: float = 600, env: dict[str, str | None] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        merged = {**isolated_env, **(env or {})}
         return subprocess.run(
             [sys.executable, "train.py", *args],
             cwd=ROOT,
-            env={**isolated_env, **(env or {})},
+            env={key: value for key, value in merged.items() if value is not None},
             capture_output=True,
             text=True,
             timeout=timeout,

@@ -151,7 +151,9 @@ def test_dry_run_of_a_real_preset_works_offline(run_train, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     ds = json.loads((run_dir / "ds_config.json").read_text())
     assert ds["zero_optimization"]["reduce_bucket_size"] == 1536 * 1536  # the text model's hidden size
-    assert ds["train_batch_size"] == 32 * 8
+    # The Qwen2-VL full recipe (conf/recipe/qwen2_vl_2b_full.yaml): micro batch 1 x 2 accumulated per rank.
+    assert ds["train_batch_size"] == 1 * 2 * 8 and ds["gradient_accumulation_steps"] == 2
+    assert ds["scheduler"]["params"]["total_num_steps"] == 750  # 3 epochs x 4,000 built-in records / 16
 
 
 # ----------------------------------------------------------------------------- DeepSpeed ops

@@ -140,6 +140,17 @@ CASES = [
         "data.group_by_length=true needs data.cache=true",
     ),
     Case(
+        "max-length-zero",
+        ("data.max_length=0",),
+        "data.max_length=0 must be a positive number of tokens per sample (text + image tokens), e.g. 2048",
+    ),
+    Case(
+        "max-length-below-one-image",
+        ("data.max_length=16",),
+        "data.max_length=16 leaves no room beside one image's 16 tokens (tiny_llava at model.image_size=32): "
+        "every record with an image would be skipped; raise data.max_length",
+    ),
+    Case(
         "eval-path-missing",
         ("data=llava_json", "data.path={data}/train.json", "data.eval_path={data}/nowhere.json"),
         "data.eval_path={data}/nowhere.json: no such file",

@@ -169,3 +169,24 @@ def test_a_resumed_data_stream_leaves_the_global_random_state_as_the_uninterrupt
     checkpoint.set_rng_state(state)
     seen += [(next(second).tolist(), torch.rand(1).item()) for _ in range(5)]
     assert seen == reference
+
+
+def test_a_changed_learning_rate_schedule_is_one_line_and_an_unchanged_one_says_nothing():
+    def ds(total: int, warmup: int, lr: float = 1e-3) -> dict:
+        params = {"total_num_steps": total, "warmup_num_steps": warmup, "cos_min_ratio": 0.05, "warmup_type": "linear"}
+        return {"optimizer": {"params": {"lr": lr}}, "scheduler": {"type": "WarmupCosineLR", "params": params}}
+
+    marker = {"step": 500, "lr_schedule": checkpoint.lr_schedule_of(ds(1000, 50))}
+    assert checkpoint.schedule_change(marker, ds(1000, 50)) is None
+    assert checkpoint.schedule_change({"step": 500}, ds(2000, 100)) is None  # an older launcher's checkpoint
+    assert checkpoint.schedule_change(marker, ds(2000, 100)) == (
+        "resume: train.max_steps 1000 -> 2000, warm-up 50 -> 100 steps: the learning-rate schedule is "
+        "re-stretched to 2000 steps from step 501 on (lr at step 501: 5.6e-04 -> 9.0e-04)"
+    )
+    assert checkpoint.schedule_change(marker, ds(1000, 50, lr=3e-4)) == (
+        "resume: train.lr 0.001 -> 0.0003: the learning-rate schedule is changed to the new values from step 501 "
+        "on (lr at step 501: 5.6e-04 -> 1.7e-04)"
+    )
+    # The rate metrics.jsonl shows at a step: the scheduler after that many steps (0 at step 1: linear warm-up).
+    assert checkpoint.scheduled_lr(checkpoint.lr_schedule_of(ds(10, 2)), 1) == 0.0
+    assert checkpoint.scheduled_lr(checkpoint.lr_schedule_of(ds(10, 2)), 2) == 5e-4

@@ -213,6 +213,16 @@ def test_bad_records_can_be_skipped_and_counted(run_train, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["records_skipped"] == 2
+    # Which, and why: one line each, with the line data.on_bad_record=error would have stopped with.
+    listed = run_dir / "skipped_records.jsonl"
+    lines = [json.loads(line) for line in listed.read_text().splitlines()]
+    assert [(line["split"], line["file"], line["record"]) for line in lines] == [
+        ("train", str(path), 8),
+        ("train", str(path), 9),
+    ]
+    assert lines[0]["reason"] == f"{path} record 8: image file {path.parent / 'images' / 'nowhere.png'} does not exist"
+    assert lines[1]["reason"] == f"{path} record 9: no assistant turn to learn from (llava format)"
+    assert f"data: 2 bad record(s) skipped: see {listed}" in (run_dir / "train.log").read_text()
 
 
 def test_missing_data_file_is_named(run_train, tmp_path):

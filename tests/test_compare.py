@@ -24,6 +24,15 @@ GIB = 2**30
 MIB = 2**20
 BASE_CHOICES = {"comm": "default", "model": "tiny_llava", "data": "shapes", "hydra/launcher": "basic"}
 ERROR = "offload=param needs ZeRO stage 3: set zero=stage3 or offload=optimizer"
+# What the sweep fixture's runs are called (by job directory): the settings that tell them apart.
+NAMES = {
+    "0": "zero=stage2,offload=none,precision=bf16",
+    "1": "zero=stage3,offload=none,precision=bf16",
+    "2": "zero=stage2,offload=param,precision=bf16",
+    "3": "zero=stage3,offload=none,precision=fp32",
+    "10": "zero=stage2,offload=none,precision=fp32",
+}
+BY_THROUGHPUT = ["1", "0", "10", "3", "2"]  # sorted by samples/s, failed last
 
 
 def write_run(
@@ -178,8 +187,35 @@ def test_runs_without_throughput_come_after_those_with_it(tmp_path: Path) -> Non
 def test_only_differing_choices_become_columns(sweep: Path) -> None:
     rows = compare.load_runs([sweep])
     assert compare.differing_keys(rows) == ["zero", "offload", "precision"]
-    labels = compare.labels_for(compare.sort_rows(rows), compare.differing_keys(rows))
-    assert labels[0] == "zero=stage3 offload=none precision=bf16"
+    names = compare.run_names(compare.sort_rows(rows), compare.differing_keys(rows))
+    assert names == [NAMES[job] for job in BY_THROUGHPUT]
+
+
+def _row(name: str, **settings: str) -> compare.RunRow:
+    return compare.RunRow(name=name, source=name, status="completed", settings=settings)
+
+
+def test_runs_are_named_by_the_settings_that_tell_them_apart() -> None:
+    # A preset implies its ZeRO stage: the stage adds nothing to the names.
+    presets = [_row("0", deepspeed="z0", zero="stage0"), _row("1", deepspeed="z2", zero="stage2")]
+    assert compare.run_names(presets, ["deepspeed", "zero"]) == ["deepspeed=z0", "deepspeed=z2"]
+    grid = [
+        _row(str(i), deepspeed=d, zero=z, precision=p)
+        for i, (d, z, p) in enumerate(
+            [("z0", "stage0", "bf16"), ("z0", "stage0", "fp32"), ("z2", "stage2", "bf16"), ("z2", "stage2", "fp32")]
+        )
+    ]
+    assert compare.run_names(grid, ["deepspeed", "zero", "precision"]) == [
+        "deepspeed=z0,precision=bf16",
+        "deepspeed=z0,precision=fp32",
+        "deepspeed=z2,precision=bf16",
+        "deepspeed=z2,precision=fp32",
+    ]
+    # The same settings twice (a repeated job): the directory name keeps the names unique.
+    twice = [_row("0", zero="stage2"), _row("1", zero="stage2"), _row("2", zero="stage3")]
+    assert compare.run_names(twice, ["zero"]) == ["zero=stage2 [0]", "zero=stage2 [1]", "zero=stage3"]
+    # Nothing differs: each run keeps its own name.
+    assert compare.run_names([_row("10-00-00", zero="stage2")], []) == ["10-00-00"]
 
 
 def test_overrides_only_runs_do_not_invent_differences(tmp_path: Path) -> None:
@@ -200,7 +236,7 @@ def test_csv_has_raw_numbers_and_errors(sweep: Path) -> None:
     md = compare.write_comparison(sweep)
     with (sweep / "compare.csv").open() as f:
         records = list(csv.DictReader(f))
-    assert [r["run"] for r in records] == ["1", "0", "10", "3", "2"]
+    assert [r["run"] for r in records] == [NAMES[job] for job in BY_THROUGHPUT]
     assert list(records[0])[:5] == ["run", "zero", "offload", "precision", "status"]
     first = records[0]
     assert first["peak_memory_bytes"] == str(900 * MIB)
@@ -220,7 +256,8 @@ def test_markdown_has_table_units_and_failed_error(sweep: Path) -> None:
     assert "## Incomplete runs" in text
     assert "![" in text and "compare.png" in text
     table_lines = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
-    assert [line.split("|")[1].strip() for line in table_lines[1:]] == ["1", "0", "10", "3", "2"]
+    assert [line.split("|")[1].strip() for line in table_lines[1:]] == [NAMES[job] for job in BY_THROUGHPUT]
+    assert f"- run {NAMES['2']} ({sweep / '2'}): {ERROR}" in text
 
 
 def test_png_is_a_valid_image(sweep: Path) -> None:
@@ -319,20 +356,42 @@ def test_cli_on_a_sweep(sweep: Path, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].split()[:5] == ["run", "zero", "offload", "precision", "status"]
-    assert lines[2].split()[0] == "1"
-    assert any(ERROR in line for line in lines)
+    assert lines[2].split()[0] == NAMES["1"]
+    assert f"{NAMES['2']} failed: {ERROR}" in lines
     assert (sweep / "compare.md").is_file() and (sweep / "compare.png").is_file()
+    assert lines[-1] == f"comparison: {sweep / 'compare.md'} (+ compare.csv, compare.png)"
 
 
-def test_cli_on_a_list_of_runs_writes_to_the_current_directory(sweep: Path, tmp_path: Path) -> None:
+def test_cli_on_a_list_of_runs_writes_next_to_them(sweep: Path, tmp_path: Path) -> None:
+    """Runs given one by one: the comparison goes into the directory that holds them, and says so."""
     here = tmp_path / "here"
     here.mkdir()
     result = run_cli(str(sweep / "0"), str(sweep / "1"), "--no-plot", cwd=here)
     assert result.returncode == 0, result.stderr
-    assert (here / "compare.md").is_file() and not (here / "compare.png").exists()
-    assert not (sweep / "compare.md").exists()
-    # Two runs that differ only by zero stage: one differing column.
-    assert result.stdout.splitlines()[0].split()[:3] == ["run", "zero", "status"]
+    assert (sweep / "compare.md").is_file() and not (sweep / "compare.png").exists()
+    assert not list(here.iterdir())
+    assert result.stdout.splitlines()[-1] == f"comparison: {sweep / 'compare.md'} (+ compare.csv)"
+    # Two runs that differ only by zero stage: one differing column, and their names.
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:3] == ["run", "zero", "status"]
+    assert [line.split()[0] for line in lines[2:4]] == ["zero=stage3", "zero=stage2"]
+
+
+def test_default_output_directory(sweep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert compare.default_out_dir([sweep]) == sweep  # a sweep directory: into it
+    assert compare.default_out_dir([sweep / "0", sweep / "10"]) == sweep  # its runs: the same place
+    assert compare.default_out_dir([sweep / "0"]) == sweep  # one run: next to it
+    other = write_run(tmp_path / "runs" / "2026-11-30" / "09-00-00", overrides=[], metrics=[{"step": 1}])
+    assert compare.default_out_dir([sweep / "0", other]) == tmp_path  # runs of different days: their parent
+    monkeypatch.chdir(tmp_path)
+    assert compare.default_out_dir([Path("/"), sweep]) == tmp_path  # nothing in common: the current directory
+
+
+def test_cli_out_writes_where_it_is_told(sweep: Path, tmp_path: Path) -> None:
+    result = run_cli(str(sweep / "0"), str(sweep / "1"), "--no-plot", "--out", "report", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "report" / "compare.md").is_file() and not (sweep / "compare.md").exists()
+    assert result.stdout.splitlines()[-1] == f"comparison: {tmp_path / 'report' / 'compare.md'} (+ compare.csv)"
 
 
 def test_cli_bad_path_exits_2_with_one_line(tmp_path: Path) -> None:

@@ -16,19 +16,24 @@ from launcher.data import (
     COLOUR_QUESTION,
     COLOURS,
     IGNORE_INDEX,
+    MIN_ANSWER_TOKENS,
     QUESTION,
     SHAPES,
     Collator,
     ConversationDataset,
+    LengthLimit,
     PromptCollator,
+    RecordTooLong,
+    estimated_length,
     exact_match_accuracy,
+    fit_records,
     generate_shapes,
     load_records,
     normalize_answer,
     prepare_data,
 )
 from launcher.errors import LauncherError
-from launcher.models import TINY_ARCHITECTURES, build_tiny_model_dir, load_model_and_processor
+from launcher.models import TINY_ARCHITECTURES, build_tiny_model_dir, load_model_and_processor, set_pixel_limits
 from tests.conftest import compose_config
 from tests.test_models import SIZES
 
@@ -259,6 +264,110 @@ def test_exact_match_accuracy_runs(shapes, model_and_processor):
 
     loader = torch.utils.data.DataLoader(dataset, batch_size=12, collate_fn=PromptCollator(processor))
     assert exact_match_accuracy(model, processor, loader, max_new_tokens=4, synced_gpus=False) == (correct, total)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sequence length: data.max_length, data.truncation
+
+LONG_ANSWER = " ".join(["blue square"] * 60)  # about 120 tokens
+
+
+def long_records(root: Path) -> list[dict]:
+    """A short record; a long answer; a long answer before a turn with a second image; a long prompt."""
+    write_image(root / "a.png")
+    Image.new("RGB", (64, 48), "red").save(root / "b.png")
+    second_image = [
+        {"from": "human", "value": "<image>\nwhat colour?"},
+        {"from": "gpt", "value": LONG_ANSWER},
+        {"from": "human", "value": "<image>\nand the shape?"},
+        {"from": "gpt", "value": "square"},
+    ]
+    long_prompt = [{"from": "human", "value": "<image>\n" + "what colour? " * 80}, {"from": "gpt", "value": "blue"}]
+    rows = [
+        record(id="short"),
+        record(answer=LONG_ANSWER, id="long_answer"),
+        {"id": "second_image", "image": ["a.png", "b.png"], "conversations": second_image},
+        {"id": "long_prompt", "image": "a.png", "conversations": long_prompt},
+    ]
+    path = root / "long.json"
+    path.write_text(json.dumps(rows))
+    return load_records(path, root)[0]
+
+
+def test_a_long_answer_is_cut_keeping_the_prompt_and_each_kept_image_whole(tmp_path, model_and_processor):
+    model, processor = model_and_processor
+    dataset = ConversationDataset(long_records(tmp_path))
+    samples = [dataset[index] for index in range(3)]
+    whole = [Collator(processor)([sample]) for sample in samples]
+    batch = Collator(processor, limit=LengthLimit(64))(samples)
+    image = processor.image_token_id
+    one_image = int((whole[0]["input_ids"] == image).sum())
+    assert batch["input_ids"].shape[1] == 64 and int((whole[2]["input_ids"] == image).sum()) > one_image
+    for row, full in enumerate(whole):
+        kept = int(batch["attention_mask"][row].sum())
+        answer = (full["labels"][0] != IGNORE_INDEX).nonzero().flatten()
+        # The whole sample's first tokens: the prompt as it was, the answer side cut from the end, ending
+        # on an answer token, with at least MIN_ANSWER_TOKENS of the answer (a short sample: untouched).
+        assert torch.equal(batch["input_ids"][row, :kept], full["input_ids"][0, :kept])
+        assert torch.equal(batch["labels"][row, :kept], full["labels"][0, :kept])
+        assert (answer < kept).sum() >= min(MIN_ANSWER_TOKENS, len(answer))
+        assert kept == (full["input_ids"].shape[1] if row == 0 else 64)
+        assert row == 0 or batch["labels"][row, kept - 1] != IGNORE_INDEX
+        # Each row's first image whole; the second image of row 2 lay past the cut and left with its pixels.
+        assert int((batch["input_ids"][row] == image).sum()) == one_image
+    assert (batch["labels"][batch["attention_mask"] == 0] == IGNORE_INDEX).all()
+    images = batch["image_grid_thw"] if "image_grid_thw" in batch else batch["pixel_values"]
+    assert len(images) == 3
+    assert torch.equal(batch["pixel_values"][: len(batch["pixel_values"]) // 3], whole[0]["pixel_values"])
+    loss = model(**batch).loss  # the model's check that image tokens and image features agree passes
+    assert torch.isfinite(loss)
+
+
+def test_a_record_that_cannot_be_cut_is_skipped_saying_why(tmp_path, model_and_processor):
+    _, processor = model_and_processor
+    records = long_records(tmp_path)
+    dataset = ConversationDataset(records)
+    where = f"{tmp_path / 'long.json'} record 3"
+    with pytest.raises(RecordTooLong, match=rf"^{where}: \d+ tokens, over data.max_length=64, and \d+ of them "):
+        Collator(processor, limit=LengthLimit(64))([dataset[0], dataset[3]])
+    with pytest.raises(RecordTooLong, match=r"record 1: \d+ tokens, over data.max_length=64 \(data.truncation=skip\)"):
+        Collator(processor, limit=LengthLimit(64, "skip"))([dataset[1]])
+    lengths = [Collator(processor)([dataset[index]])["input_ids"].shape[1] for index in range(4)]
+    assert [estimated_length(processor, r) for r in records] == lengths  # from text and image headers alone
+
+    # Before training without the data cache: the same decisions, so every rank drops the same records.
+    cut = fit_records(records, processor, LengthLimit(64), num_workers=0)
+    assert (cut.kept, cut.cut, [index for index, _ in cut.skipped]) == ([0, 1, 2], 2, [3])
+    assert cut.skipped[0][1].startswith(f"{where}: {lengths[3]:,} tokens, over data.max_length=64")
+    skip = fit_records(records, processor, LengthLimit(64, "skip"), num_workers=0)
+    assert (skip.kept, skip.cut, [index for index, _ in skip.skipped]) == ([0], 0, [1, 2, 3])
+    assert fit_records(records, processor, LengthLimit(None), num_workers=0).kept == [0, 1, 2, 3]
+    roomy = fit_records(records, processor, LengthLimit(max(lengths)), num_workers=0)
+    assert (roomy.kept, roomy.cut, roomy.skipped) == ([0, 1, 2, 3], 0, [])
+    nothing = rf"^data: none of the 1 records fits data.max_length=64 \(1 too long, 0 bad\), e.g. {where}: "
+    with pytest.raises(LauncherError, match=nothing):
+        fit_records(records[3:], processor, LengthLimit(64), num_workers=0)
+
+
+def test_estimated_lengths_follow_the_pixel_limits_of_qwen2_vl(tmp_path, model_and_processor):
+    """Records far under data.max_length are not encoded before an uncached run: their estimate (text
+    tokens, image tokens from each image's size) must be what the processor makes, at any pixel limits."""
+    _, processor = model_and_processor
+    if processor.image_token == "<image>":
+        pytest.skip("LLaVA gives every image the same tokens")
+    rows = []
+    for index, (width, height) in enumerate([(32, 32), (100, 60), (300, 200), (17, 90)]):
+        Image.new("RGB", (width, height), "red").save(tmp_path / f"{index}.png")
+        turns = [{"from": "human", "value": "<image>\n<image>\nwhat colour?"}, {"from": "gpt", "value": "red"}]
+        rows.append({"image": [f"{index}.png", f"{(index + 1) % 4}.png"], "conversations": turns})
+    (tmp_path / "sizes.json").write_text(json.dumps(rows))
+    records = load_records(tmp_path / "sizes.json", tmp_path)[0]
+    processor = copy.deepcopy(processor)
+    for low, high in ((None, None), (16 * 16, 64 * 64), (64 * 64, 256 * 256)):
+        set_pixel_limits(processor, min_pixels=low, max_pixels=high)
+        dataset = ConversationDataset(records)
+        lengths = [Collator(processor)([dataset[index]])["input_ids"].shape[1] for index in range(4)]
+        assert [estimated_length(processor, r) for r in records] == lengths, (low, high)
 
 
 def test_normalize_answer():

@@ -13,12 +13,12 @@ import pytest
 import torch
 from PIL import Image
 
-from launcher.data import Collator, ConversationDataset, add_dummy_image
+from launcher.data import Collator, ConversationDataset, LengthLimit, add_dummy_image, fit_records
 from launcher.data_cache import CachedCollator, CachedDataset, RecordEncoder, ensure_cache
 from launcher.errors import LauncherError
-from launcher.formats import BadRecordError, ReadOptions, read_records
+from launcher.formats import BadRecordError, ReadOptions, read_records, skipped_entry
 from launcher.models import TINY_ARCHITECTURES, build_tiny_model_dir, load_model_and_processor
-from tests.test_data import VOCABULARY
+from tests.test_data import VOCABULARY, long_records
 from tests.test_models import SIZES
 
 QUESTIONS = ["what is in the image?", "compare them", "which is red?", "say hi", "and the shape?"]
@@ -119,6 +119,43 @@ def test_the_cache_is_reused_and_rebuilt_when_its_inputs_change(tmp_path, mixed_
     assert not [p for p in (tmp_path / "data_cache").iterdir() if p.name.startswith(".")]  # no leftovers
 
 
+def test_the_cache_cuts_and_skips_records_over_max_length_as_the_collator_does(tmp_path, model_and_processor):
+    """data.max_length: the cached path and the uncached path cut and skip the same records the same way."""
+    _, processor = model_and_processor
+    records = long_records(tmp_path)  # short, long answer, long answer before a second image, long prompt
+    limit = LengthLimit(64)
+
+    def build_limited(limit: LengthLimit):
+        return ensure_cache(
+            tmp_path / "data_cache",
+            records,
+            processor,
+            "tiny",
+            RecordEncoder(processor, limit),
+            ConversationDataset(records).__getitem__,
+            on_bad_record="error",  # a record too long is skipped whatever this says
+            num_workers=0,
+        )
+
+    info = build_limited(limit)
+    assert (info.records, info.skipped, info.truncated, info.too_long) == (3, 0, 2, 1)
+    uncached = fit_records(records, processor, limit, num_workers=0)
+    assert info.skip_log == [skipped_entry(str(tmp_path / "long.json"), 3, uncached.skipped[0][1])]
+    cached = CachedDataset(info.path)
+    assert cached.indices == uncached.kept == [0, 1, 2] and max(cached.lengths()) == 64
+    live = ConversationDataset(records)
+    for rows in ([0, 1, 2], [1], [0], [2, 0]):
+        expected = Collator(processor, limit=limit)([live[i] for i in rows])
+        assert_same_batch(CachedCollator(processor)([cached[i] for i in rows]), expected)
+    again = build_limited(limit)  # reused: it still says what it cut and skipped
+    assert not again.built and (again.truncated, again.too_long, again.skip_log) == (2, 1, info.skip_log)
+    assert build_limited(LengthLimit(64, "skip")).path != info.path  # the limit is part of the key
+    assert build_limited(LengthLimit(None)).records == 4
+    records = records[3:]  # the long prompt alone: nothing to train on, one line saying why
+    with pytest.raises(LauncherError, match=r"^data: none of the 1 records fits data.max_length=64 \(1 too long"):
+        build_limited(limit)
+
+
 def test_undecodable_images_are_skipped_while_building_or_stop_it(tmp_path, mixed_records, model_and_processor):
     _, processor = model_and_processor
     whole = Path(next(r["images"][0] for r in mixed_records if r["images"]))
@@ -131,6 +168,9 @@ def test_undecodable_images_are_skipped_while_building_or_stop_it(tmp_path, mixe
 
     info = build(tmp_path, records, processor, on_bad_record="skip")
     assert (info.records, info.skipped) == (11, 1)
+    [entry] = info.skip_log  # for RUN/skipped_records.jsonl: the line data.on_bad_record=error stops with
+    assert (entry["file"], entry["record"]) == (records[5]["file"], 5)
+    assert entry["reason"].startswith(f"{records[5]['where']}: cannot decode image {cut}")
     assert CachedDataset(info.path).ids == [r["id"] for r in records if r["id"] != "5"]
     assert CachedDataset(info.path).indices == [i for i in range(12) if i != 5]
     with pytest.raises(BadRecordError, match=r"record 5: cannot decode image .*cut.png"):

@@ -201,6 +201,86 @@ def test_a_weighted_mixture_draws_by_weight_and_resumes_bitwise(run_train, isola
     }
 
 
+# ----------------------------------------------------------------------------- long and bad records
+def long_and_bad_records(root: Path) -> Path:
+    """JSON lines: 16 good records, one with a long answer (cut), one with a 100,000-character question
+    (skipped: no room for its answer), one whose image is missing and one malformed line (bad)."""
+    names = write_images(root / "img")
+    rows = [json.dumps(record) for record in llava_records(names, 16)]
+    long_answer = " ".join(["red green blue"] * 100)  # 300 words: about 300 tokens
+    rows[3] = json.dumps(
+        {
+            "image": names[0],
+            "conversations": [
+                {"from": "human", "value": "<image>\nwhich colours?"},
+                {"from": "gpt", "value": long_answer},
+            ],
+        }
+    )
+    question = ("which colours? " * 7000)[:100_000]
+    rows[5] = json.dumps(
+        {
+            "image": names[1],
+            "conversations": [{"from": "human", "value": f"<image>\n{question}"}, {"from": "gpt", "value": "red"}],
+        }
+    )
+    rows[8] = json.dumps({"image": "gone.png", "conversations": json.loads(rows[8])["conversations"]})
+    rows[11] = '{"image": "red_24.png", "conversations": ['  # cut off
+    path = root / "train.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("cache", ["true", "false"])
+def test_max_length_cuts_and_skips_and_every_skipped_record_is_listed(run_train, tmp_path, cache):
+    """data.max_length=128 trains with a long answer cut and a 100,000-character question skipped;
+    data.on_bad_record=skip skips the bad records; each skipped record has a line in
+    RUN/skipped_records.jsonl (file, record, the one-line reason) that the log names, the same with the
+    data cache and without it; a resume rewrites the file rather than adding to it."""
+    path = long_and_bad_records(tmp_path)
+    run_dir = tmp_path / "run"
+    args = [
+        *QUICK,
+        "data=llava_json",
+        f"data.path={path}",
+        f"data.image_root={tmp_path / 'img'}",
+        "data.max_length=128",
+        "data.on_bad_record=skip",
+        f"data.cache={cache}",
+        "train.max_steps=4",
+    ]
+    result = run_train(*args, f"hydra.run.dir={run_dir}", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    done = summary(run_dir)
+    counts = ("records_skipped", "records_too_long", "records_truncated")
+    assert (done["status"], *(done[key] for key in counts)) == ("completed", 2, 1, 1)
+    assert all(loss == loss for loss in losses(run_dir))  # finite
+    lines = [json.loads(line) for line in (run_dir / "skipped_records.jsonl").read_text().splitlines()]
+    assert [(line["file"], line["record"], line["split"]) for line in lines] == [
+        (str(path), 8, "train"),
+        (str(path), 11, "train"),
+        (str(path), 5, "train"),
+    ]
+    image_root = tmp_path / "img"
+    assert lines[0]["reason"] == f"{path}:9 (record 8): image file {image_root / 'gone.png'} does not exist"
+    assert lines[1]["reason"].startswith(f"{path}:12: malformed JSON in record 11 (")
+    assert re.fullmatch(
+        rf"{path}:6 \(record 5\): [\d,]+ tokens, over data.max_length=128, and [\d,]+ of them \(prompt and images\) "
+        r"come before the answer: no room for \d+ answer tokens; raise data.max_length or shorten the prompt",
+        lines[2]["reason"],
+    )
+    log = (run_dir / "train.log").read_text()
+    assert (
+        "data: 2 bad record(s) skipped, 1 record(s) over data.max_length=128 skipped, 1 record(s) truncated to "
+        f"data.max_length=128: see {run_dir / 'skipped_records.jsonl'}"
+    ) in log
+    if cache == "true":
+        result = run_train(f"resume={run_dir}", "train.max_steps=6", timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        again = [json.loads(line) for line in (run_dir / "skipped_records.jsonl").read_text().splitlines()]
+        assert again == lines and summary(run_dir)["steps"] == 6
+
+
 # ----------------------------------------------------------------------------- ZeRO-3, mixed modalities
 MICRO, STEPS, SEED = 2, 6, 3
 

@@ -343,8 +343,12 @@ def test_bad_records_name_file_record_and_reason_and_skip_counts_them(tmp_path, 
             read(path, **options)
         message = str(info.value)
         assert message.startswith(where) and reason in message and "\n" not in message, (case, message)
-        kept, skipped, _ = read(path, on_bad_record="skip", **options)
+        log: list[dict] = []
+        kept, skipped, _ = read_records(path, ReadOptions(on_bad_record="skip", **options), log)
         assert (len(kept), skipped) == (2, 1), case
+        # Listed for RUN/skipped_records.jsonl with the very line data.on_bad_record=error stops with.
+        assert log == [{"file": str(path), "record": 1, "reason": message}], case
+        assert [(record["file"], record["index"]) for record in kept] == [(str(path), 0), (str(path), 2)]
 
 
 def test_a_symlinked_image_folder_inside_the_root_is_fine(tmp_path):
@@ -398,9 +402,12 @@ def test_malformed_json_names_the_line(tmp_path):
         load_records(as_list, tmp_path)
     as_lines = tmp_path / "lines.jsonl"
     as_lines.write_text(json.dumps(llava()) + "\n{not json\n" + json.dumps(llava()) + "\n")
-    with pytest.raises(LauncherError, match=rf"^{as_lines}:2: malformed JSON in record 1"):
+    with pytest.raises(LauncherError, match=rf"^{as_lines}:2: malformed JSON in record 1") as info:
         load_records(as_lines, tmp_path)
     assert load_records(as_lines, tmp_path, on_bad_record="skip")[1] == 1
+    log: list[dict] = []
+    read_records(as_lines, ReadOptions(on_bad_record="skip", image_root=tmp_path), log)
+    assert log == [{"file": str(as_lines), "record": 1, "reason": str(info.value)}]
     wrapped = tmp_path / "wrapped.json"
     wrapped.write_text(json.dumps({"data": [llava()]}))
     with pytest.raises(LauncherError, match=r"one JSON object \(keys 'data'\), not records"):

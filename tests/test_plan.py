@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 
 from launcher import memory, model_stats, plan
-from launcher.ds_config import Device, build_ds_config
+from launcher.ds_config import Device, build_ds_config, resolve_precision
 from launcher.errors import LauncherError
 from launcher.job import HydraJob, plan_job
 from launcher.memory import (
@@ -181,6 +181,18 @@ def test_fits_and_recommend_take_the_fastest_that_fits():
     assert (best.preset, best.dtype) == ("z0", "fp32")
     assert recommend([row("z3_offload", "bf16", 10), row("z3", "fp32", 10)]).preset == "z3"
     assert recommend([row("z0", "bf16", 2000)]) is None
+
+
+def test_the_planner_orders_precisions_as_precision_auto_does_fp32_first_on_a_cpu():
+    rows = [Row("z0", "bf16", None, True, ""), Row("z0", "fp32", None, True, ""), Row("z1", "bf16", None, True, "")]
+    assert recommend(rows, "cpu").dtype == "fp32"  # bf16 runs on a CPU, slower than fp32
+    assert recommend(rows, "cuda").dtype == "bf16" and recommend(rows).dtype == "bf16"
+    assert plan.target_device(compose_config(["plan.gpu_memory_gb=80"]).plan).precisions == ("bf16", "fp16", "fp32")
+    cpu = Device("cpu", bf16=True, fp16=False)
+    assert plan.fastest_precisions("cpu")[0] == resolve_precision("auto", cpu) == "fp32"
+    target = plan.target_device(compose_config(["plan.precisions=[bf16,fp32]"]).plan)
+    if target.kind == "cpu":  # this machine
+        assert target.precisions == ("fp32", "bf16")
 
 
 def test_on_a_cpu_the_ranks_and_the_offload_share_the_memory():
@@ -364,6 +376,49 @@ def test_pixel_limits_are_checked_before_anything_starts(published):
         check_model_choices(tiny, "cpu", "fp32")
 
 
+def test_data_max_length_bounds_the_planned_sequence(published, capsys):
+    """A batch is padded to its longest sample and none is longer than data.max_length: the plan uses it."""
+    qwen = ["model=qwen2_vl_2b", f"model.path={published['qwen2_vl_2b']}"]
+    stats = model_stats.model_stats(compose_config(qwen))
+
+    def planned(*overrides: str) -> int:
+        return model_stats.sequence(compose_config([*qwen, *overrides]), stats)[0]
+
+    assert planned() == 512 + 256  # data=shapes sets no limit: the typical sample
+    assert planned("data.max_length=1024") == 1024
+    assert planned("data=llava_json", "data.path=x.json") == 2048  # the default limit for your data
+    assert planned("data.max_length=1024", "plan.seq_len=4096") == 4096  # plan.seq_len says what to plan
+    assert planned("data.max_length=600", "plan.text_tokens=512") == 600  # a typical sample, up to the limit
+    assert planned("data.max_length=4096", "plan.text_tokens=512") == 768
+    overrides = [*qwen, "plan.gpu_memory_gb=80", "plan.precisions=[bf16]"]
+    assert plan.main([*overrides, "data.max_length=1024"]) == 0
+    assert "1024 tokens per sample (data.max_length; 1 image(s) x 256 image tokens)" in capsys.readouterr().out
+    unbounded = plan.preflight(*_planned([*qwen, "precision=bf16", "plan.gpu_memory_gb=1"], Device("cuda", True, True)))
+    bounded = plan.preflight(
+        *_planned([*qwen, "precision=bf16", "plan.gpu_memory_gb=1", "data.max_length=1024"], Device("cuda", True, True))
+    )
+    assert "x 768 tokens" in unbounded and "x 1024 tokens" in bounded
+
+
+def test_max_length_is_checked_before_anything_starts(published):
+    from launcher.validate import check_knobs, check_model_choices
+
+    with pytest.raises(LauncherError, match=r"^data.max_length=0 must be a positive number of tokens per sample"):
+        check_knobs(compose_config(["data.max_length=0"]))
+    llava = ["model=llava_1_5_7b", f"model.path={published['llava_1_5_7b']}"]
+    with pytest.raises(
+        LauncherError, match=r"^data.max_length=512 leaves no room beside one image's 576 tokens \(llava, every image\)"
+    ):
+        check_model_choices(compose_config([*llava, "data.max_length=512"]), "cuda", "bf16")
+    check_model_choices(compose_config([*llava, "data.max_length=1024"]), "cuda", "bf16")
+    qwen = ["model=qwen2_vl_2b", f"model.path={published['qwen2_vl_2b']}"]
+    with pytest.raises(LauncherError, match=r"one image's 64 tokens \(qwen2_vl, an image of model.min_pixels=50176\)"):
+        check_model_choices(compose_config([*qwen, "model.min_pixels=50176", "data.max_length=64"]), "cpu", "fp32")
+    check_model_choices(compose_config([*qwen, "data.max_length=64"]), "cpu", "fp32")  # 56 x 56: 4 tokens
+    with pytest.raises(LauncherError, match=r"one image's 16 tokens \(tiny_llava at model.image_size=32\)"):
+        check_model_choices(compose_config(["data.max_length=16"]), "cpu", "fp32")
+
+
 def test_attention_that_cannot_run_here_is_refused_before_anything_starts():
     from launcher.validate import check_model_choices
 
@@ -452,7 +507,10 @@ def test_python_m_launcher_plan_on_the_built_in_model(isolated_env):
     assert result.returncode == 0, result.stderr
     assert "model tiny_llava:" in result.stdout and "job: 2 rank(s)" in result.stdout
     assert "MiB per device" in result.stdout  # a tiny model's table is in MiB
-    assert "recommendation: deepspeed=z0 precision=bf16" in result.stdout
+    import torch
+
+    fastest = "bf16" if torch.cuda.is_available() else "fp32"  # on a CPU bf16 is slower (ds_config.fastest_precisions)
+    assert f"recommendation: deepspeed=z0 precision={fastest}" in result.stdout
 
 
 # ----------------------------------------------------------------------------- estimates vs DeepSpeed engines

@@ -34,7 +34,7 @@ RUN = [
     "data.eval_accuracy=false",
     "train.seed=1",
 ]
-# A hang in a collective fails in 5 minutes instead of DeepSpeed's 30 (see the known issue in README).
+# A hang in a collective fails in 5 minutes instead of DeepSpeed's 30 (see the known issue in docs/runs.md).
 WORLDS = {1: [], 2: ["dist.nproc_per_node=2", "deepspeed=z3", "dist.timeout_s=300"]}
 
 
@@ -367,3 +367,23 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_older_one_resumed(run_trai
     (line,) = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
     assert f"every checkpoint in {run_dir / 'checkpoints'} is damaged" in line
     assert (run_dir / "summary.json").read_bytes() == finished
+
+
+def test_a_resume_with_more_steps_says_once_that_the_schedule_is_re_stretched(run_train, tmp_path):
+    """train.max_steps 4 -> 8 on resume: DeepSpeed restores only the scheduler's step count, so the cosine
+    schedule is rebuilt for 8 steps and the learning rate jumps at step 5; one line says so, with both rates."""
+    run_dir = tmp_path / "run"
+    short = [arg for arg in RUN if not arg.startswith(("train.max_steps=", "train.save_every="))]
+    first = run_train(*short, "train.max_steps=4", "train.save_every=2", f"hydra.run.dir={run_dir}", timeout=900)
+    assert first.returncode == 0, first.stderr[-3000:]
+
+    more = resume(run_train, run_dir, "train.max_steps=8")
+    assert more.returncode == 0, more.stderr[-3000:]
+    (line,) = [line for line in more.stderr.splitlines() if "learning-rate schedule" in line]
+    lr = {m["step"]: m["train/lr"] for m in metrics(run_dir)}
+    assert line == (
+        "resume: train.max_steps 4 -> 8: the learning-rate schedule is re-stretched to 8 steps from step 5 on "
+        f"(lr at step 5: {5e-5:.1e} -> {lr[5]:.1e})"  # the 4-step schedule had reached its floor, 0.05 x lr
+    )
+    assert summary(run_dir)["status"] == "completed" and summary(run_dir)["resumed_from_step"] == 4
+    assert sorted(lr) == list(range(1, 9)) and lr[5] > lr[4]

@@ -45,6 +45,16 @@ def test_two_job_sweep_logs_comparable_wandb_runs(run_train, isolated_env, tmp_p
     sweep_dir = tmp_path / "sweep"
     result = run_train("-m", "deepspeed=z0,z3", *SHORT, f"hydra.sweep.dir={sweep_dir}", timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
+    # The terminal ends with the comparison: a row per job, named by what differs, then where it is written.
+    out = result.stdout.splitlines()
+    assert out[-1] == f"comparison: {sweep_dir / 'compare.md'} (+ compare.csv, compare.png)"
+    header = next(i for i, line in enumerate(out) if line.startswith("run ") and out[i + 1].startswith("---"))
+    assert out[header].split()[:4] == ["run", "deepspeed", "zero", "status"]
+    rows = sorted(line.split()[:5] for line in out[header + 2 : header + 4])
+    assert rows == [
+        ["deepspeed=z0", "z0", "stage0", "completed", "6"],
+        ["deepspeed=z3", "z3", "stage3", "completed", "6"],
+    ]
     groups = set()
     for job, stage in (("0", 0), ("1", 3)):
         run_dir = sweep_dir / job
@@ -80,6 +90,8 @@ def test_an_invalid_job_fails_and_the_sweep_goes_on(run_train, tmp_path):
     report = (sweep_dir / "compare.md").read_text()
     assert "failed" in report and "needs ZeRO stage 3" in report
     assert "1 job(s) of the sweep failed" in result.stderr
+    (failed_line,) = [line for line in result.stdout.splitlines() if line.startswith("offload=param failed: ")]
+    assert "needs ZeRO stage 3" in failed_line  # under the table, named by what differs
 
 
 def test_optuna_learning_rate_search_uses_the_objective(run_train, tmp_path):

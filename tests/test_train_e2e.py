@@ -82,6 +82,34 @@ def test_default_job_learns_and_its_saved_model_reloads(run_train, tmp_path):
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
+def test_a_30_step_run_prints_its_plan_progress_and_one_summary(run_train, tmp_path, nproc):
+    """The terminal of `python train.py train.max_steps=30` (W&B offline): what the launcher decided,
+    progress and one summary, at most 15 lines, once per run however many ranks; the libraries' lines
+    (DeepSpeed's, W&B's, transformers' bars, the compiler probe) go to train.log at most. It was 59."""
+    run_dir = tmp_path / "run"
+    # WANDB_SILENT unset, as for a user (the fixture silences W&B for the other tests).
+    result = run_train(
+        "train.max_steps=30", f"dist.nproc_per_node={nproc}", f"hydra.run.dir={run_dir}", env={"WANDB_SILENT": None}
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    shown = "\n".join(lines)
+    assert len(lines) <= 15, shown
+    assert len(set(lines)) == len(lines), shown  # no rank repeats another's line
+    (job,) = [line for line in lines if line.startswith("job: ")]  # stderr; the summary is on stdout
+    assert job.startswith(f"job: tiny_llava (full) on {nproc} rank") and job.endswith(f"run dir {run_dir}")
+    assert any("step 1/30 |" in line for line in lines) and any("step 30/30 |" in line for line in lines), shown
+    assert "run summary: completed, 30 steps in" in shown and str(run_dir / "model") in shown
+    assert "W&B      offline run " in shown and "upload with `wandb sync " in shown
+    for noise in ("wandb:", "Loading weights", "Writing model shards", "Setting accelerator", "learning rate from"):
+        assert noise not in shown, shown
+    assert "test.c" not in shown and "built successfully" not in shown
+    log = (run_dir / "train.log").read_text()
+    for kept in ("Setting accelerator to CPU", "Attempting to get learning rate", "W&B offline run", "step 30/30"):
+        assert kept in log, kept
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
 def test_zero_stages_give_the_same_losses(run_train, tmp_path, nproc):
     """ZeRO changes memory, not mathematics: stages 0-3 agree to 1e-4 relative at fp32."""
     sweep_dir = tmp_path / "sweep"

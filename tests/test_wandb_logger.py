@@ -352,6 +352,19 @@ def test_resume_continues_the_same_run(tmp_path: Path, capsys) -> None:
     assert summaries[0]["exit_code"] == 1
 
 
+def test_an_offline_run_prints_nothing_and_the_run_summary_names_it(tmp_path: Path, monkeypatch, capfd) -> None:
+    """W&B's banner and its history/summary block at the end stay off the terminal (about 40 lines);
+    the launcher's run summary carries `describe()`: the run and how to upload it."""
+    monkeypatch.delenv("WANDB_SILENT", raising=False)
+    run = WandbRun.start(make_run_dir(tmp_path), project="vlm-ds", mode="offline")
+    run.log({"train/loss": 1.0}, step=1)
+    run.finish(SUMMARY, exit_code=0, hint=False)
+    out, err = capfd.readouterr()
+    assert "wandb" not in (out + err).lower(), out + err
+    assert run.describe() == f"offline run {run.run_id}: upload with `wandb sync {run.sync_dir}`"
+    assert run.url is None  # offline: no address (W&B would warn when asked for one)
+
+
 def test_disabled_run_is_a_no_op(tmp_path: Path) -> None:
     run = WandbRun.start(tmp_path / "run", project="p", mode="disabled")
     assert not run.enabled and run.mode == "disabled"
