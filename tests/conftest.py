@@ -45,17 +45,16 @@ def compose_plain(overrides: list[str] | None = None) -> dict[str, Any]:
     return OmegaConf.to_container(compose_config(overrides), resolve=True)
 
 
-@pytest.fixture
-def isolated_env(tmp_path: Path) -> dict[str, str]:
-    """Environment for subprocess runs: W&B offline and contained, caches shared across tests."""
+def subprocess_env(directory: Path) -> dict[str, str]:
+    """Environment for subprocess runs: W&B offline and contained in `directory`, caches shared across tests."""
     env = dict(os.environ)
     env.update(
         {
             "WANDB_MODE": "offline",
-            "WANDB_DIR": str(tmp_path / "wandb"),
-            "WANDB_CACHE_DIR": str(tmp_path / "wandb_cache"),
-            "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config"),
-            "WANDB_DATA_DIR": str(tmp_path / "wandb_data"),
+            "WANDB_DIR": str(directory / "wandb"),
+            "WANDB_CACHE_DIR": str(directory / "wandb_cache"),
+            "WANDB_CONFIG_DIR": str(directory / "wandb_config"),
+            "WANDB_DATA_DIR": str(directory / "wandb_data"),
             "WANDB_SILENT": "true",
             "VLM_LAUNCHER_CACHE": str(ROOT / "outputs" / "cache"),
             "PYTHONUNBUFFERED": "1",
@@ -63,6 +62,11 @@ def isolated_env(tmp_path: Path) -> dict[str, str]:
     )
     env.pop("HYDRA_FULL_ERROR", None)
     return env
+
+
+@pytest.fixture
+def isolated_env(tmp_path: Path) -> dict[str, str]:
+    return subprocess_env(tmp_path)
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, subprocess_env
 from tests.test_data_e2e import llava_records, write_images
 
 pytestmark = pytest.mark.slow
@@ -95,24 +95,7 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def env(work: Path) -> dict[str, str]:
-    import os
-
-    env = dict(os.environ)
-    env.update(
-        {
-            "WANDB_MODE": "offline",
-            "WANDB_DIR": str(work / "wandb"),
-            "WANDB_CACHE_DIR": str(work / "wandb_cache"),
-            "WANDB_CONFIG_DIR": str(work / "wandb_config"),
-            "WANDB_DATA_DIR": str(work / "wandb_data"),
-            "WANDB_SILENT": "true",
-            "HF_HUB_OFFLINE": "1",
-            "VLM_LAUNCHER_CACHE": str(ROOT / "outputs" / "cache"),
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
-    env.pop("HYDRA_FULL_ERROR", None)
-    return env
+    return {**subprocess_env(work), "HF_HUB_OFFLINE": "1"}  # the real presets' commands never reach the hub
 
 
 @pytest.fixture(scope="module")
