@@ -460,7 +460,6 @@ def keep_global_batch(run_dir: RunDir, cfg: DictConfig, argv: list[str]) -> list
     (accumulation adjusted; none when the world size is the checkpoint's). They join the resumed
     command line, so the run's overrides.yaml records them and a later resume keeps them too."""
     from launcher.checkpoint import find_resume_tag, read_marker
-    from launcher.job import world_size_of
     from launcher.reshard import batch_overrides
 
     tag = find_resume_tag(run_dir.checkpoints, warn=lambda line: None)  # resume_tag() warns, later
