@@ -14,9 +14,9 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from launcher.entry import check_output_dir_argument, strip_local_rank_argument
-from launcher.resume import resumed_run_dir
-from launcher.schema import register_configs
+from launcher.config.schema import register_configs
+from launcher.job.resume import resumed_run_dir
+from launcher.launch.run import check_output_dir_argument, strip_local_rank_argument
 
 register_configs()
 strip_local_rank_argument()
@@ -25,7 +25,7 @@ check_output_dir_argument()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    from launcher.entry import run_job
+    from launcher.launch.run import run_job
 
     return run_job(cfg)
 
@@ -33,7 +33,7 @@ def main(cfg: DictConfig) -> float | None:
 if __name__ == "__main__":
     # A resume is composed from the old run's command line and runs in the old run's directory.
     if (resumed := resumed_run_dir(sys.argv)) is not None:
-        from launcher.entry import run_resumed
+        from launcher.launch.run import run_resumed
 
         sys.exit(run_resumed(resumed, sys.argv))
     main()

@@ -244,7 +244,7 @@ def run_worker(
 # ----------------------------------------------------------------------------- a worker process
 def single_rank_env() -> None:
     """One rank on this machine, as launcher/processes.py sets it for an in-process rank."""
-    from launcher.processes import free_port
+    from launcher.launch.ranks import free_port
 
     os.environ.update(
         {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
@@ -256,8 +256,8 @@ def reference_inputs(ref_run: Path) -> tuple[Any, dict[str, Any], list[dict], st
     """The composed config, DeepSpeed dict, train records and model directory of a train.py run."""
     from omegaconf import OmegaConf
 
-    from launcher.data import read_data
-    from launcher.models import resolve_model_path
+    from launcher.data.records import read_data
+    from launcher.model.models import resolve_model_path
 
     cfg = OmegaConf.load(ref_run / ".hydra" / "config.yaml")
     ds_config = json.loads((ref_run / "ds_config.json").read_text())

@@ -274,9 +274,9 @@ def cpu_info_lines() -> list[str]:
 # ----------------------------------------------------------------------------- one preset (a worker)
 def planned_ds_config(preset: str, micro: int, steps: int, hidden_size: int, device: str) -> dict[str, Any]:
     """The DeepSpeed dict `python train.py deepspeed=PRESET precision=bf16 ...` would hand to DeepSpeed."""
-    from launcher.ds_config import Device
-    from launcher.job import HydraJob, plan_job
-    from launcher.plan import compose
+    from launcher.config.ds_config import Device
+    from launcher.job.spec import HydraJob, plan_job
+    from launcher.plan.report import compose
 
     overrides = [
         f"deepspeed={preset}",
@@ -337,7 +337,7 @@ def gib(value: int | None) -> str:
 def worker(args: argparse.Namespace) -> None:
     """Train one preset for warm-up + measured steps; write figures to args.out as JSON."""
     die_with_parent(args.parent_pid)
-    from launcher.processes import free_port
+    from launcher.launch.ranks import free_port
 
     os.environ.update(
         {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
@@ -352,7 +352,7 @@ def worker(args: argparse.Namespace) -> None:
     from transformers import LlavaForConditionalGeneration
     from transformers.integrations import HfDeepSpeedConfig
 
-    from launcher.device_memory import HOST_PEAK, PEAK, MemoryMeter
+    from launcher.train.memory_meter import HOST_PEAK, PEAK, MemoryMeter
 
     deepspeed_logger.setLevel(logging.WARNING)
     size = TINY if args.tiny else FULL

@@ -53,10 +53,10 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
 import _common as common
 
-from launcher.data import COLOURS, QUESTION, SHAPES, Collator
-from launcher.memory import Layout, activation_bytes
-from launcher.model_stats import model_stats
-from launcher.models import build_tiny_model_dir, enable_gradient_checkpointing, load_model_and_processor
+from launcher.data.records import COLOURS, QUESTION, SHAPES, Collator
+from launcher.model.models import build_tiny_model_dir, enable_gradient_checkpointing, load_model_and_processor
+from launcher.model.stats import model_stats
+from launcher.plan.memory import Layout, activation_bytes
 
 MiB = 2**20
 VARIANTS = {"off": (False, False), "language": (True, False), "language+vision": (True, True)}
@@ -124,7 +124,7 @@ def vocabulary() -> list[str]:
 
 
 def planner_bytes(args: argparse.Namespace, path: Path, seq_len: int, language: bool, vision: bool) -> int:
-    from launcher.plan import compose
+    from launcher.plan.report import compose
 
     cfg = compose(
         [

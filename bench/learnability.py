@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import launcher.data
-from launcher.data import (
+from launcher.data.records import (
     COLOURS,
     QUESTION,
     SHAPES,
@@ -38,7 +38,7 @@ from launcher.data import (
     generate_shapes,
     load_records,
 )
-from launcher.models import build_tiny_model_dir, load_model_and_processor
+from launcher.model.models import build_tiny_model_dir, load_model_and_processor
 
 
 def main() -> None:

@@ -105,9 +105,9 @@ def hand_loop(ref_run: Path, steps: int, out: Path) -> None:
     from deepspeed.utils import logger as deepspeed_logger
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from launcher.data import LengthLimit
-    from launcher.data_cache import CachedCollator, CachedDataset, cache_key
-    from launcher.models import load_model_and_processor
+    from launcher.data.cache import CachedCollator, CachedDataset, cache_key
+    from launcher.data.records import LengthLimit
+    from launcher.model.models import load_model_and_processor
 
     deepspeed_logger.setLevel(logging.WARNING)  # the recipe quiets it too (it logs every config key)
     cfg, ds_config, records, model_dir = common.reference_inputs(ref_run)
@@ -424,7 +424,7 @@ def main() -> None:
     hand_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     launcher = None
     if nproc > 1:
-        from launcher.processes import free_port
+        from launcher.launch.ranks import free_port
 
         launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
         launcher += ["--master_addr=127.0.0.1", f"--master_port={free_port()}"]

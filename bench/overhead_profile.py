@@ -72,7 +72,7 @@ def rank_main(kind: str, target: Path, out: Path, steps: int) -> None:
 
     gc.callbacks.append(timed)
     if kind == "train":
-        from launcher import worker
+        from launcher.launch import worker
 
         profile.runcall(worker.main, [str(target)])
     else:
@@ -123,7 +123,7 @@ def main() -> None:
     shutil.copytree(reference, again, ignore=shutil.ignore_patterns("checkpoints", "model", "wandb*"))
     for name in ("metrics.jsonl", "summary.json"):
         (again / name).unlink(missing_ok=True)
-    from launcher.processes import free_port
+    from launcher.launch.ranks import free_port
 
     rows: dict[str, list[float | None]] = {}
     for kind, target in (("train", again), ("hand", reference)):

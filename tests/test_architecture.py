@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from launcher.ds_config import Device, build_ds_config, precision_of
-from launcher.errors import LauncherError
+from launcher.config.ds_config import Device, build_ds_config, precision_of
+from launcher.core.errors import LauncherError
 from tests.conftest import ROOT, compose_plain
 
 GPU = Device("cuda", bf16=True, fp16=True)
@@ -100,7 +100,7 @@ def _plan(args: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedPro
 
 @pytest.mark.parametrize("model", ["qwen2_vl_2b", "llava_1_5_7b", "qwen2_5_vl_7b"])
 def test_real_presets_plan_offline_with_the_same_table_as_a_local_copy(isolated_env, tmp_path, model):
-    from launcher.models import PRESET_CONFIGS
+    from launcher.model.models import PRESET_CONFIGS
 
     hub_id = {
         "qwen2_vl_2b": "Qwen/Qwen2-VL-2B-Instruct",
@@ -165,7 +165,7 @@ def test_the_composed_optimizer_needs_no_compiled_op_unless_offloaded():
 
 
 def test_the_interpreters_ninja_goes_first_on_path(monkeypatch, tmp_path):
-    from launcher import ops
+    from launcher.train import ops
 
     bin_dir = tmp_path / "venv" / "bin"
     bin_dir.mkdir(parents=True)

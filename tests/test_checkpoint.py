@@ -8,8 +8,8 @@ from pathlib import Path
 
 from torch.utils.data import DataLoader
 
-from launcher import checkpoint
-from launcher.resume import resumed_overrides, resumed_run_dir
+from launcher.job.resume import resumed_overrides, resumed_run_dir
+from launcher.train import checkpoint
 
 
 def make_checkpoint(checkpoints: Path, step: int, *, complete: bool = True) -> None:
@@ -103,7 +103,7 @@ def test_data_position_resumes_without_repeating_or_skipping_samples():
 
 
 def test_a_nonfinite_loss_stops_unless_fp16_may_skip_it():
-    from launcher.recipe import nonfinite_action
+    from launcher.train.trainer import nonfinite_action
 
     assert nonfinite_action(1.5, fp16=False, in_a_row=0, allowed=0) == "ok"
     for loss in (math.nan, math.inf, -math.inf):

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from launcher import compare
-from launcher.rundir import summary_skeleton
+from launcher.compare import compare
+from launcher.core.rundir import summary_skeleton
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -406,7 +406,7 @@ def test_cli_bad_path_exits_2_with_one_line(tmp_path: Path) -> None:
 
 def test_gpu_runs_show_host_memory_beside_device_memory(tmp_path):
     """An offload preset moves optimizer states to pinned host memory: the table shows both sides."""
-    from launcher.compare import build_row, render_markdown, table
+    from launcher.compare.compare import build_row, render_markdown, table
 
     def gpu_row(name: str, device: int, host: int, pinned: int):
         summary = {

@@ -12,7 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from launcher.data import (
+from launcher.core.errors import LauncherError
+from launcher.data.records import (
     COLOUR_QUESTION,
     COLOURS,
     IGNORE_INDEX,
@@ -32,8 +33,7 @@ from launcher.data import (
     normalize_answer,
     prepare_data,
 )
-from launcher.errors import LauncherError
-from launcher.models import TINY_ARCHITECTURES, build_tiny_model_dir, load_model_and_processor, set_pixel_limits
+from launcher.model.models import TINY_ARCHITECTURES, build_tiny_model_dir, load_model_and_processor, set_pixel_limits
 from tests.conftest import compose_config
 from tests.test_models import SIZES
 

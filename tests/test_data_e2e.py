@@ -170,7 +170,7 @@ def test_a_weighted_mixture_draws_by_weight_and_resumes_bitwise(run_train, isola
     reference = tmp_path / "reference"
     result = run_train(*args, f"hydra.run.dir={reference}", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    from launcher.sampling import MixtureSampler
+    from launcher.data.sampling import MixtureSampler
 
     counts = summary(reference)["samples_per_source"]
     # 8 steps x 4 samples: in the first block of 1000 draws (exactly 3:1 per block), as the sampler deals them.
@@ -288,7 +288,7 @@ MICRO, STEPS, SEED = 2, 6, 3
 def modality_split_records(root: Path) -> Path:
     """Records placed so that, in the order the sampler deals them, rank 0's batches of steps 1-3 are
     text-only while rank 1's have images, and the reverse for steps 4-6."""
-    from launcher.checkpoint import ResumableSampler
+    from launcher.train.checkpoint import ResumableSampler
 
     names = write_images(root / "img")
     n = 2 * MICRO * STEPS

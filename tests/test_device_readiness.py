@@ -9,9 +9,10 @@ import time
 
 import pytest
 
-from launcher import device_memory, ops
-from launcher.device_memory import MemoryMeter, pinned_host_bytes
-from launcher.recipe import _loss_scale
+from launcher.train import memory_meter as device_memory
+from launcher.train import ops
+from launcher.train.memory_meter import MemoryMeter, pinned_host_bytes
+from launcher.train.trainer import _loss_scale
 from tests.test_train_e2e import SHORT, losses, summary
 
 

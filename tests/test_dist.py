@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.errors import LauncherError
-from launcher.job import HydraJob, plan_job
-from launcher.processes import deepspeed_command, free_port, launch, slurm_rank_env, torchrun_command
+from launcher.core.errors import LauncherError
+from launcher.job.spec import HydraJob, plan_job
+from launcher.launch.ranks import deepspeed_command, free_port, launch, slurm_rank_env, torchrun_command
 from tests.conftest import ROOT, compose_config
 from tests.test_train_e2e import losses, summary
 
@@ -118,10 +118,10 @@ def _launch(overrides: list[str], run_dir: Path):
 def test_torchrun_command_for_one_node_of_several():
     cfg = compose_config(["dist=torchrun", "dist.nnodes=4", "dist.nproc_per_node=8", "dist.node_rank=2"])
     command = torchrun_command(cfg, Path("/shared/run"), 29500)
-    assert command[1:3] == ["-m", "launcher.torchrun"]
+    assert command[1:3] == ["-m", "launcher.launch.torchrun"]
     for flag in ("--nnodes=4", "--nproc-per-node=8", "--node-rank=2", "--master-addr=127.0.0.1", "--master-port=29500"):
         assert flag in command
-    assert command[-3:] == ["-m", "launcher.worker", "/shared/run"]
+    assert command[-3:] == ["-m", "launcher.launch.worker", "/shared/run"]
 
 
 @pytest.mark.parametrize(
@@ -157,7 +157,7 @@ def test_deepspeed_command_reads_the_hostfile_with_deepspeeds_parser(tmp_path):
     command = deepspeed_command(cfg, tmp_path / "run", 29500)
     assert command[1:3] == ["-m", "deepspeed.launcher.runner"]
     assert "--no_ssh_check" not in command  # two hosts: DeepSpeed reaches node2 over ssh
-    assert command[-3:] == ["--module", "launcher.worker", str(tmp_path / "run")]
+    assert command[-3:] == ["--module", "launcher.launch.worker", str(tmp_path / "run")]
     assert "--master_addr=node1" in command and "--master_port=29500" in command
 
     excluded = compose_config(

@@ -12,7 +12,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from launcher.ds_config import (
+from launcher.config.ds_config import (
     BATCH_KEYS,
     KNOWN_TOP_LEVEL_KEYS,
     TRAIN_KEY_OWNS,
@@ -23,7 +23,7 @@ from launcher.ds_config import (
     resolve_batch_sizes,
     resolve_precision,
 )
-from launcher.errors import LauncherError
+from launcher.core.errors import LauncherError
 from tests.conftest import CONF, compose_plain
 
 CPU = Device(kind="cpu", bf16=True, fp16=False, name="")
@@ -162,7 +162,7 @@ def expected_error(stage: int, offload: str, precision: str, device: Device) -> 
 
 def check_combination(cfg: dict[str, Any], preset: str, precision: str, offload: str | None, comm: str) -> str:
     """Build for a CPU and a GPU; each build either passes DeepSpeed's checks or fails with its rule."""
-    from launcher.validate import validate_with_deepspeed
+    from launcher.job.checks import validate_with_deepspeed
 
     stage, preset_offload = PRESETS[preset]
     chosen_offload = offload or preset_offload
@@ -394,7 +394,7 @@ LLAMA_FACTORY_Z3 = {  # the shape of LLaMA-Factory's ds_z3_config.json, "auto" e
 
 
 def test_llama_factory_auto_values_are_filled_by_the_composition():
-    from launcher.validate import validate_with_deepspeed
+    from launcher.job.checks import validate_with_deepspeed
 
     cfg = compose_plain(["precision=bf16", "train.micro_batch_size=4", "train.grad_accum=2"])
     ds = build(cfg, world_size=8, hidden=4096, device=GPU, base=LLAMA_FACTORY_Z3)

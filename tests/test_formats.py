@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from launcher.data import ConversationDataset, load_records
-from launcher.errors import LauncherError
-from launcher.formats import ReadOptions, looks_like_hub_id, read_records, record_texts
+from launcher.core.errors import LauncherError
+from launcher.data.formats import ReadOptions, looks_like_hub_id, read_records, record_texts
+from launcher.data.records import ConversationDataset, load_records
 from tests.test_data import MULTI_TURN
 
 
@@ -369,8 +369,8 @@ def test_image_headers_are_opened_for_user_data_but_not_for_the_built_in_set(tmp
     assert read(path, check_headers=False)[0][0]["images"] == [str(tmp_path / "text.png")]
     with pytest.raises(LauncherError, match=r"text\.png cannot be decoded as an image"):
         read(path, check_headers=False, decode=True)
-    from launcher.data import data_sources
-    from launcher.plan import compose
+    from launcher.data.records import data_sources
+    from launcher.plan.report import compose
 
     sources, eval_source = data_sources(compose([]).data, tmp_path / "cache")
     assert not sources[0].options.check_headers and not eval_source.options.check_headers

@@ -95,7 +95,7 @@ def test_qlora_trains_and_exports(run_train, tmp_path, preset):
 def test_the_cuda_memory_cap_makes_an_over_budget_run_a_real_out_of_memory(run_train, tmp_path):
     """launcher.tune caps each candidate's allocator at its budget (LAUNCHER_CUDA_MEMORY_GB): a job that
     needs more fails with CUDA's own out-of-memory error, which the tuner records as "does not fit"."""
-    from launcher.job import CUDA_MEMORY_CAP_ENV
+    from launcher.job.spec import CUDA_MEMORY_CAP_ENV
 
     args = ["model.hidden_size=1024", "model.num_layers=4", *SHORT, f"hydra.run.dir={tmp_path / 'capped'}"]
     result = run_train(*args, env={CUDA_MEMORY_CAP_ENV: "0.05"})  # 50 MiB: below this model's states

@@ -14,16 +14,16 @@ import pytest
 import torch
 from PIL import Image
 
-from launcher import model_stats
-from launcher.data import COLOURS, QUESTION, SHAPES, Collator
-from launcher.memory import Layout, ModelStats, TransformerDims, activation_bytes
-from launcher.models import (
+from launcher.data.records import COLOURS, QUESTION, SHAPES, Collator
+from launcher.model import stats as model_stats
+from launcher.model.models import (
     TINY_ARCHITECTURES,
     apply_freeze,
     build_tiny_model_dir,
     enable_gradient_checkpointing,
     load_model_and_processor,
 )
+from launcher.plan.memory import Layout, ModelStats, TransformerDims, activation_bytes
 from tests.conftest import compose_config, saved_for_backward
 from tests.test_plan import tiny_stats
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from launcher.logs import FILE_ONLY, TerminalFilter
+from launcher.core.logs import FILE_ONLY, TerminalFilter
 from tests.conftest import ROOT
 
 LR_WARNING = "Attempting to get learning rate from scheduler before it has started"  # DeepSpeed, every rank
@@ -24,7 +24,7 @@ def _record(name: str, level: int, message: str, **extra: object) -> logging.Log
     ("name", "level", "message", "extra", "shown"),
     [
         ("launcher", logging.INFO, "step 1/30 | loss 5.8", {}, True),
-        ("launcher.wandb_logger", logging.INFO, "W&B offline run x started", FILE_ONLY, False),
+        ("launcher.tracking.wandb_run", logging.INFO, "W&B offline run x started", FILE_ONLY, False),
         ("launcher", logging.WARNING, "building DeepSpeed op cpu_adam, one time, about a minute", {}, True),
         ("hydra._internal.core_plugins.basic_launcher", logging.INFO, "\t#1 : deepspeed=z2", {}, True),
         ("compilers.C.base", logging.INFO, "gcc -c /tmp/tmpx/test.c -o /tmp/tmpx/test.o", {}, False),
@@ -48,7 +48,7 @@ def test_deepspeeds_lines_and_the_compiler_probe_reach_train_log_not_the_termina
     code = f"""
 import logging
 from pathlib import Path
-from launcher.logs import setup_rank_log
+from launcher.core.logs import setup_rank_log
 setup_rank_log(Path({str(train_log)!r}), 0)
 import deepspeed.ops
 deepspeed.ops.__compatible_ops__  # probes every op: AsyncIOBuilder compiles and links test.c
@@ -74,7 +74,7 @@ def test_ranks_other_than_0_print_errors_only(tmp_path):
     code = f"""
 import logging
 from pathlib import Path
-from launcher.logs import setup_rank_log
+from launcher.core.logs import setup_rank_log
 setup_rank_log(Path({str(tmp_path / "train.log")!r}), 1)
 from deepspeed.utils import logger
 logger.warning("a warning rank 0 prints too")

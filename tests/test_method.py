@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from launcher.errors import LauncherError
-from launcher.method import (
+from launcher.core.errors import LauncherError
+from launcher.model.method import (
     _compact_alternation,
     apply_method,
     check_method,
@@ -21,8 +21,8 @@ from launcher.method import (
     target_regex,
     trainable_components,
 )
-from launcher.model_stats import frozen_meta_model as meta_model
-from launcher.model_stats import model_stats
+from launcher.model.stats import frozen_meta_model as meta_model
+from launcher.model.stats import model_stats
 from tests.conftest import compose_config
 
 
@@ -143,8 +143,8 @@ def test_lora_knobs_out_of_range(override, message):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_qlora_loads_a_4bit_base_stored_in_the_training_dtype(tmp_path):
     pytest.importorskip("bitsandbytes")
-    from launcher.method import quantization_config
-    from launcher.models import load_model_and_processor, resolve_model_path
+    from launcher.model.method import quantization_config
+    from launcher.model.models import load_model_and_processor, resolve_model_path
 
     cfg = compose_config(["method=qlora", "precision=bf16"])
     path = resolve_model_path(cfg.model, 0, tmp_path, [{"conversations": [{"value": "red circle"}]}])
@@ -157,8 +157,8 @@ def test_qlora_loads_a_4bit_base_stored_in_the_training_dtype(tmp_path):
 
 
 def test_the_plan_names_the_method_and_drops_deepspeeds_full_finetune_estimate():
-    from launcher.memory import layout_from_ds_config
-    from launcher.plan import deepspeed_reference, report
+    from launcher.plan.memory import layout_from_ds_config
+    from launcher.plan.report import deepspeed_reference, report
 
     cfg = compose_config(["method=lora", "deepspeed=z3", "precision=bf16"])
     assert "trainable (method=lora)" in report(cfg)

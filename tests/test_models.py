@@ -19,8 +19,8 @@ from transformers import (
     Qwen2VLConfig,
 )
 
-from launcher.errors import LauncherError
-from launcher.models import (
+from launcher.core.errors import LauncherError
+from launcher.model.models import (
     TINY_ARCHITECTURES,
     apply_freeze,
     build_tiny_model_dir,
@@ -246,7 +246,7 @@ def test_pixel_limits_are_refused_for_llava(model_dirs, tmp_path):
     ],
 )
 def test_resolve_attn_implementation(monkeypatch, requested, device, precision, flash_attn, expected):
-    from launcher import models
+    from launcher.model import models
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
@@ -270,7 +270,7 @@ def test_resolve_attn_implementation(monkeypatch, requested, device, precision, 
 def test_eager_and_sdpa_both_train_the_tiny_models(model_dirs, arch):
     from PIL import Image
 
-    from launcher.data import Collator
+    from launcher.data.records import Collator
 
     images = [Image.new("RGB", (32, 32), colour) for colour in ("red", "blue", "green", "red")]
     answers = ["red circle", "blue square", "green triangle", "red circle"]

@@ -33,11 +33,13 @@ from typing import Any
 
 import pytest
 
-from launcher import memory, model_stats, plan
-from launcher.ds_config import Device, build_ds_config, resolve_precision
-from launcher.errors import LauncherError
-from launcher.job import HydraJob, plan_job
-from launcher.memory import (
+from launcher.config.ds_config import Device, build_ds_config, resolve_precision
+from launcher.core.errors import LauncherError
+from launcher.job.spec import HydraJob, plan_job
+from launcher.model import stats as model_stats
+from launcher.plan import memory
+from launcher.plan import report as plan
+from launcher.plan.memory import (
     BYTES,
     PRESETS,
     Layout,
@@ -354,7 +356,7 @@ def test_the_plan_and_the_preflight_count_image_tokens_from_max_pixels(published
 
 
 def test_pixel_limits_are_checked_before_anything_starts(published):
-    from launcher.validate import check_knobs, check_model_choices
+    from launcher.job.checks import check_knobs, check_model_choices
 
     qwen = ["model=qwen2_vl_2b", f"model.path={published['qwen2_vl_2b']}"]
     with pytest.raises(LauncherError, match=r"^model.max_pixels=100 is below model.min_pixels=200: raise model"):
@@ -401,7 +403,7 @@ def test_data_max_length_bounds_the_planned_sequence(published, capsys):
 
 
 def test_max_length_is_checked_before_anything_starts(published):
-    from launcher.validate import check_knobs, check_model_choices
+    from launcher.job.checks import check_knobs, check_model_choices
 
     with pytest.raises(LauncherError, match=r"^data.max_length=0 must be a positive number of tokens per sample"):
         check_knobs(compose_config(["data.max_length=0"]))
@@ -420,7 +422,7 @@ def test_max_length_is_checked_before_anything_starts(published):
 
 
 def test_attention_that_cannot_run_here_is_refused_before_anything_starts():
-    from launcher.validate import check_model_choices
+    from launcher.job.checks import check_model_choices
 
     cfg = compose_config(["model.attn_implementation=flash_attention_2"])
     with pytest.raises(LauncherError, match=r"^model.attn_implementation=flash_attention_2 needs a CUDA device"):
@@ -587,7 +589,7 @@ def process_group():
     """A one-rank gloo process group in this process, destroyed afterwards."""
     import torch
 
-    from launcher.processes import free_port
+    from launcher.launch.ranks import free_port
 
     env = {
         "RANK": "0",
@@ -622,7 +624,7 @@ def test_estimate_matches_engine_world_size_1(validation_model, process_group, p
 
 @pytest.mark.slow
 def test_estimate_matches_engine_world_size_2(validation_model, tmp_path, isolated_env):
-    from launcher.processes import free_port
+    from launcher.launch.ranks import free_port
 
     path, _ = validation_model
     cases = [_validation_case(p, d, f, world_size=2) for p, d, f in VALIDATION_CONFIGS]
@@ -773,7 +775,7 @@ def probe(model_dir: str, case: dict[str, Any]) -> dict[str, int]:
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from launcher.models import apply_freeze
+    from launcher.model.models import apply_freeze
 
     ds = case["ds"]
     hf_ds_config = None

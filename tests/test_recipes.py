@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from launcher.ds_config import warmup_steps
-from launcher.errors import LauncherError
-from launcher.training_length import resolve_training_length, steps_for_epochs
+from launcher.config.ds_config import warmup_steps
+from launcher.core.errors import LauncherError
+from launcher.job.length import resolve_training_length, steps_for_epochs
 from tests.conftest import CONF, ROOT, compose_config
 
 # model, method -> what the recipe's source sets (conf/recipe/*.yaml names it)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.errors import LauncherError
-from launcher.reshard import Reshard, batch_overrides, reshard_for, resumed_batches
+from launcher.core.errors import LauncherError
+from launcher.job.reshard import Reshard, batch_overrides, reshard_for, resumed_batches
 
 MARKER = {"world_size": 2, "zero_stage": 3, "precision": "fp32", "global_batch": 16, "micro_batch": 2}
 
@@ -119,7 +119,7 @@ def test_a_position_between_micro_batches_is_refused():
 def test_the_same_samples_make_each_global_step_on_any_world_size():
     """The premise of resumed_batches: the samplers deal one shuffled order, rank r taking every
     world_size-th sample, so step s's samples (all ranks together) do not depend on the world size."""
-    from launcher.checkpoint import ResumableSampler
+    from launcher.train.checkpoint import ResumableSampler
 
     records, global_batch = list(range(64)), 8
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from launcher.checkpoint import checkpoint_damage
-from launcher.universal import DONE_FILE, KILL_CONVERSION_ENV, universal_path
+from launcher.train.checkpoint import checkpoint_damage
+from launcher.train.universal import DONE_FILE, KILL_CONVERSION_ENV, universal_path
 from tests.test_export import export
 from tests.test_sweep_e2e import inspect_summary
 from tests.test_train_e2e import losses, summary

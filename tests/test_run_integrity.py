@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.rundir import RunDir, Summary
+from launcher.core.rundir import RunDir, Summary
 from tests.conftest import ROOT
 from tests.test_bad_input import _files
 
@@ -47,7 +47,7 @@ def test_a_run_directory_is_owned_by_one_process_at_a_time(tmp_path):
         [
             sys.executable,
             "-c",
-            "import sys, time; from pathlib import Path; from launcher.rundir import RunDir; "
+            "import sys, time; from pathlib import Path; from launcher.core.rundir import RunDir; "
             f"assert RunDir(Path({str(run_dir.path)!r})).claim() is None; print('held', flush=True); time.sleep(30)",
         ],
         cwd=ROOT,
@@ -220,7 +220,7 @@ def test_a_rank_killed_by_the_kernel_is_recorded_and_leaves_no_process(isolated_
     job = _train(*SHORT, "train.max_steps=500", "data.num_workers=2", f"hydra.run.dir={run_dir}", env=isolated_env)
     _wait_for(lambda: (run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().strip())
     launcher = psutil.Process(job.pid)
-    rank = next(p for p in launcher.children() if "launcher.worker" in " ".join(p.cmdline()))
+    rank = next(p for p in launcher.children() if "launcher.launch.worker" in " ".join(p.cmdline()))
     family = [rank, *rank.children(recursive=True)]  # the rank and its DataLoader workers
     rank.kill()
     _, err = job.communicate(timeout=300)
@@ -276,15 +276,15 @@ def test_credentials_reach_no_file_a_run_writes(isolated_env, tmp_path):
 
 def test_the_ranks_get_the_real_values_back(tmp_path, monkeypatch):
     """What the launcher writes and hands over, and what a rank rebuilds from it, as the recipe does."""
-    from launcher import credentials
-    from launcher.ds_config import Device, build_ds_config
+    from launcher.config.ds_config import Device, build_ds_config
+    from launcher.core import credentials
     from tests.conftest import compose_plain
 
     base = tmp_path / "ds.json"
     base.write_text(json.dumps({"wandb": {"enabled": False, "api_key": "sk-" + "b" * 30}}))
     overrides = [f"deepspeed_json={base}", "+deepspeed_extra.comet.enabled=false", "+deepspeed_extra.comet.api_key=k1"]
     cfg = compose_plain(overrides)
-    from launcher.job import load_deepspeed_json
+    from launcher.job.spec import load_deepspeed_json
 
     device = Device("cpu", bf16=True, fp16=False)
     real = build_ds_config(cfg, world_size=1, hidden_size=64, device=device, base=load_deepspeed_json(str(base)))

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from launcher import compare
-from launcher.ds_config import Device, labelled_choices, offload_of
-from launcher.job import HydraJob, plan_job
-from launcher.rundir import Summary
-from launcher.wandb_logger import tags_from_choices
+from launcher.compare import compare
+from launcher.config.ds_config import Device, labelled_choices, offload_of
+from launcher.core.rundir import Summary
+from launcher.job.spec import HydraJob, plan_job
+from launcher.tracking.wandb_run import tags_from_choices
 from tests.conftest import ROOT, compose_config
 
 GOLDEN_JSON = "tests/golden/z3_offload_bf16_ws1.json"  # ZeRO-3, optimizer and parameters on the CPU, bf16

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from launcher import checkpoint
-from launcher.errors import LauncherError
-from launcher.sampling import LengthGroupedSampler, MixtureSampler
+from launcher.core.errors import LauncherError
+from launcher.data.sampling import LengthGroupedSampler, MixtureSampler
+from launcher.train import checkpoint
 
 
 def take(sampler, n: int, start: int = 0) -> list[int]:

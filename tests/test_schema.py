@@ -15,7 +15,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from launcher import schema
+from launcher.config import schema
 from tests.conftest import compose_config
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.wandb_logger import HistoryWindow
+from launcher.tracking.wandb_run import HistoryWindow
 
 WANDB_CLI = Path(sys.executable).parent / "wandb"
 

@@ -67,11 +67,11 @@ def test_default_job_learns_and_its_saved_model_reloads(run_train, tmp_path):
     # The saved model/ reloads with plain transformers and reproduces the accuracy.
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from launcher.data import ConversationDataset, load_records
+    from launcher.data.records import ConversationDataset, load_records
 
     model = AutoModelForImageTextToText.from_pretrained(run_dir / "model")
     processor = AutoProcessor.from_pretrained(run_dir / "model")
-    from launcher.data import exact_match_accuracy, prepare_data
+    from launcher.data.records import exact_match_accuracy, prepare_data
 
     run_cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     _, eval_file, image_root = prepare_data(run_cfg.data, ROOT / "outputs" / "cache")  # the run's cached data

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from launcher import tune
-from launcher.memory import PRESETS
-from launcher.schema import DeepSpeedPreset
-from launcher.tune import Candidate, Result, Tuning
+from launcher.config.schema import DeepSpeedPreset
+from launcher.plan.memory import PRESETS
+from launcher.tune import tuner as tune
+from launcher.tune.tuner import Candidate, Result, Tuning
 
 MiB = 2**20
 
@@ -345,8 +345,16 @@ def _csv(path: Path) -> list[dict[str, str]]:
 
 
 def test_the_ranks_are_told_from_their_launchers_and_their_dataloader_workers():
-    rank = ["/v/bin/python", "-u", "-m", "launcher.worker", "/runs/a"]
-    agent = ["/v/bin/python", "-m", "launcher.torchrun", "--nproc-per-node=2", "-m", "launcher.worker", "/runs/a"]
-    assert tune._runs_module(rank, "launcher.worker")
-    assert not tune._runs_module(agent, "launcher.worker")
-    assert not tune._runs_module(["python", "train.py", "-m"], "launcher.worker")
+    rank = ["/v/bin/python", "-u", "-m", "launcher.launch.worker", "/runs/a"]
+    agent = [
+        "/v/bin/python",
+        "-m",
+        "launcher.launch.torchrun",
+        "--nproc-per-node=2",
+        "-m",
+        "launcher.launch.worker",
+        "/runs/a",
+    ]
+    assert tune._runs_module(rank, "launcher.launch.worker")
+    assert not tune._runs_module(agent, "launcher.launch.worker")
+    assert not tune._runs_module(["python", "train.py", "-m"], "launcher.launch.worker")

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher import wandb_logger as wl
-from launcher.wandb_logger import WandbRun
+from launcher.tracking import wandb_run as wl
+from launcher.tracking.wandb_run import WandbRun
 
 REPO = Path(__file__).resolve().parents[1]
 WANDB_CLI = Path(sys.executable).parent / "wandb"
@@ -238,7 +238,7 @@ def test_library_versions_and_git_commit_never_raise(tmp_path: Path) -> None:
     assert wl.git_commit(tmp_path) == f"{sha}+dirty"
 
 
-@pytest.mark.parametrize("module", ["launcher.wandb_logger", "launcher.compare"])
+@pytest.mark.parametrize("module", ["launcher.tracking.wandb_run", "launcher.compare"])
 def test_modules_import_without_torch_or_wandb(module: str) -> None:
     code = (
         f"import sys, {module}; heavy = {{'torch', 'wandb', 'matplotlib', 'deepspeed'}} & set(sys.modules); "
@@ -379,7 +379,7 @@ def test_unresolved_mode_is_a_programming_error(tmp_path: Path) -> None:
 
 
 def test_online_without_credentials_logs_offline(tmp_path: Path, caplog) -> None:
-    with caplog.at_level(logging.WARNING, logger="launcher.wandb_logger"):
+    with caplog.at_level(logging.WARNING, logger="launcher.tracking.wandb_run"):
         run = WandbRun.start(tmp_path / "run", project="p", mode="online")
     assert run.mode == "offline" and run.enabled
     assert "no credentials" in caplog.text
@@ -406,7 +406,7 @@ class BrokenRun:
 
 def test_w_and_b_errors_disable_logging_instead_of_raising(tmp_path: Path, caplog) -> None:
     run = WandbRun(BrokenRun(), tmp_path, "offline")
-    with caplog.at_level(logging.WARNING, logger="launcher.wandb_logger"):
+    with caplog.at_level(logging.WARNING, logger="launcher.tracking.wandb_run"):
         run.log({"train/loss": 1.0}, step=1)
         run.log({"train/loss": 1.0}, step=2)
         run.finish({"status": "completed"}, exit_code=0)
@@ -417,7 +417,7 @@ def test_w_and_b_errors_disable_logging_instead_of_raising(tmp_path: Path, caplo
     ]
 
     run = WandbRun(BrokenRun(), tmp_path, "offline")
-    with caplog.at_level(logging.WARNING, logger="launcher.wandb_logger"):
+    with caplog.at_level(logging.WARNING, logger="launcher.tracking.wandb_run"):
         run.finish({"status": "completed"}, exit_code=0)
     assert "W&B finish failed" in caplog.text
 
@@ -429,7 +429,7 @@ def test_unreachable_server_falls_back_to_offline(tmp_path: Path, monkeypatch, c
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
     assert wl.resolve_mode("auto", os.environ, wl.has_credentials()) == "online"
     started = time.perf_counter()
-    with caplog.at_level(logging.WARNING, logger="launcher.wandb_logger"):
+    with caplog.at_level(logging.WARNING, logger="launcher.tracking.wandb_run"):
         run = WandbRun.start(tmp_path / "run", project="p", mode="online", group="g", init_timeout_s=2)
     assert time.perf_counter() - started < 60
     assert run.enabled and run.mode == "offline"

@@ -1,0 +1,244 @@
+"""What the memory estimates need to know about a model, read from its config without its weights.
+
+The model is built on the meta device from its config (a shipped preset's, a local directory's, a
+tiny build's), its parameters are counted per component with the configured freezing, and its
+shapes (hidden sizes, layers, image tokens) are collected into a `ModelStats`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from launcher.core.errors import LauncherError, one_line
+from launcher.plan.memory import ModelStats, TransformerDims
+
+
+def model_dir(cfg: DictConfig) -> str:
+    """The directory or hub id whose config.json describes the model `train.py` would train.
+
+    A tiny model is built the way the training path builds it (from the data's vocabulary, cached
+    under cache_dir), so its vocabulary, and with it its parameter count, is the one training uses.
+    """
+    model = cfg.model
+    if model.source == "pretrained":
+        if not model.path:
+            raise LauncherError(f"model.path is empty for model={model.name}: give a hub id or a local directory")
+        return str(model.path)
+    from launcher.data.records import read_data
+    from launcher.model.models import resolve_model_path
+
+    cache = Path(cfg.cache_dir).expanduser().absolute()
+    loaded = read_data(cfg.data, cache)
+    return resolve_model_path(model, int(cfg.train.seed), cache, loaded.train + loaded.eval)
+
+
+def meta_model(cfg: DictConfig, path: str | None = None):
+    """(config, model): the model `train.py` would train, built on the meta device from its config."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from launcher.model.models import read_config
+
+    path = path or model_dir(cfg)
+    config = read_config(path)
+    try:
+        with torch.device("meta"):
+            return config, AutoModelForImageTextToText.from_config(config)
+    except ValueError as err:
+        raise LauncherError(f"model.path={path}: not an image-text-to-text model ({one_line(err)})") from None
+
+
+def frozen_meta_model(cfg: DictConfig):
+    """The meta-device model with the freeze flags applied: what a method adapts."""
+    from launcher.model.models import apply_freeze
+
+    _, model = meta_model(cfg)
+    apply_freeze(
+        model, vision=cfg.model.freeze_vision, projector=cfg.model.freeze_projector, language=cfg.model.freeze_language
+    )
+    return model
+
+
+def model_stats(cfg: DictConfig, *, path: str | None = None) -> ModelStats:
+    """Build the model on the meta device from its config and count what the estimates need."""
+    from launcher.model.method import apply_method, parameter_counts, trainable_components, uses_adapters
+    from launcher.model.models import apply_freeze
+
+    path = path or model_dir(cfg)
+    config, model = meta_model(cfg, path)
+    freeze = {
+        "vision": bool(cfg.model.freeze_vision),
+        "projector": bool(cfg.model.freeze_projector),
+        "language": bool(cfg.model.freeze_language),
+    }
+    counts = apply_freeze(model, **freeze)
+    if uses_adapters(cfg.method):  # LoRA on the meta model: adapters counted, nothing allocated
+        model = apply_method(model, cfg.method, cfg.model).get_base_model()
+        counts = parameter_counts(model)
+        trains = trainable_components(model)
+        freeze = {name: name not in trains for name in freeze}
+    try:
+        return _stats(cfg, config, model, counts, freeze)
+    except AttributeError as err:  # a config without the fields of the layouts known here
+        raise LauncherError(
+            f"model.path={path}: the memory planner does not know the layout of {type(config).__name__} ({err}); "
+            "set preflight=off to train without the estimate"
+        ) from None
+
+
+def _stats(cfg: DictConfig, config, model, counts: dict[str, int], freeze: dict[str, bool]) -> ModelStats:
+    largest = max(sum(p.numel() for p in module.parameters(recurse=False)) for module in model.modules())
+    names = [name for name, _ in model.named_modules()]
+
+    def gated(*parts: str) -> bool:
+        return any(name.endswith("gate_proj") and any(part in name for part in parts) for name in names)
+
+    text_config = config.get_text_config()
+    heads = text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    text = TransformerDims(
+        hidden=text_config.hidden_size,
+        layers=text_config.num_hidden_layers,
+        intermediate=text_config.intermediate_size,
+        kv_width=(getattr(text_config, "num_key_value_heads", None) or heads) * head_dim,
+        gated=gated("language_model"),
+    )
+    vision_config = config.vision_config
+    vision_hidden = getattr(vision_config, "embed_dim", None) or vision_config.hidden_size
+    vision = TransformerDims(
+        hidden=vision_hidden,
+        layers=getattr(vision_config, "num_hidden_layers", None) or vision_config.depth,
+        intermediate=getattr(vision_config, "intermediate_size", None) or int(vision_config.mlp_ratio * vision_hidden),
+        gated=gated("visual", "vision_tower"),
+    )
+    vision_tokens, image_tokens, merge = _image_tokens(cfg, config)
+    return ModelStats(
+        name=str(cfg.model.name),
+        total=counts["total"],
+        trainable=counts["trainable"],
+        components={key: counts[key] for key in ("vision", "projector", "language")},
+        frozen=tuple(name for name, frozen in freeze.items() if frozen),
+        largest_layer=int(largest),
+        param_sizes=tuple(int(p.numel()) for p in model.parameters()),
+        text=text,
+        vocab_size=int(text_config.vocab_size),
+        vision=vision,
+        vision_tokens=vision_tokens,
+        image_tokens=image_tokens,
+        projector_width=2 * (vision_hidden * merge * merge + text.hidden),
+        load_bytes=_dtype_bytes(getattr(config, "dtype", None)),
+        method=str(cfg.method.name),
+        checkpointed=tuple(
+            name
+            for name, key in (("language", "gradient_checkpointing"), ("vision", "vision_gradient_checkpointing"))
+            if cfg.model.get(key)
+        ),
+    )
+
+
+def _dtype_bytes(dtype: Any) -> int:
+    name = str(dtype or "float32").removeprefix("torch.")
+    return {"float16": 2, "bfloat16": 2, "half": 2}.get(name, 4)
+
+
+def _image_tokens(cfg: DictConfig, config) -> tuple[int, int, int]:
+    """(vision-tower tokens, language-model tokens, patch merge) for one image.
+
+    LLaVA: (image_size / patch)^2 patches, plus CLIP's class token in the tower; the "default"
+    feature strategy drops it again. Qwen2-VL (dynamic resolution): a square image of plan.image_size
+    pixels (default 448; a tiny model's own image size) rounded to whole merged patches; the merger
+    turns m x m patches into one language-model token. With model.min_pixels / model.max_pixels set,
+    the image is resized as the processor resizes it (Qwen2-VL's smart_resize): its pixel count is
+    brought into [min_pixels, max_pixels] (an unset limit: the processor's own, a tiny model's
+    image_size^2 or Qwen2-VL's 56^2 and 28^2 x 1280).
+    """
+    from launcher.model.models import check_pixel_limits
+
+    vision_config = config.vision_config
+    patch = vision_config.patch_size
+    merge = getattr(vision_config, "spatial_merge_size", None)
+    tiny = cfg.model.source == "tiny"
+    min_pixels, max_pixels = cfg.model.get("min_pixels"), cfg.model.get("max_pixels")
+    check_pixel_limits(config, min_pixels=min_pixels, max_pixels=max_pixels, tiny=tiny)
+    if merge:
+        side = cfg.plan.image_size or (cfg.model.image_size if tiny else 448)
+        unit = patch * merge
+        if min_pixels is None and max_pixels is None:
+            patches = (max(1, round(side / unit)) * merge) ** 2
+        else:
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+            own = (cfg.model.image_size**2,) * 2 if tiny else (56 * 56, 28 * 28 * 1280)
+            height, width = smart_resize(
+                side,
+                side,
+                factor=unit,
+                min_pixels=min_pixels if min_pixels is not None else own[0],
+                max_pixels=max_pixels if max_pixels is not None else own[1],
+            )
+            patches = (height // patch) * (width // patch)
+        return patches, patches // (merge * merge), merge
+    patches = (vision_config.image_size // patch) ** 2
+    cls = 1 if str(getattr(vision_config, "model_type", "")).startswith("clip") else 0
+    strategy = getattr(config, "vision_feature_select_strategy", "default")
+    return patches + cls, patches + (cls if strategy == "full" else 0), 1
+
+
+def sequence(cfg: DictConfig, stats: ModelStats) -> tuple[int, int]:
+    """(language-model tokens per sample, images per sample).
+
+    plan.seq_len when set; else data.max_length when set: a batch is padded to its longest sample and
+    no sample is longer, so a job's memory is bounded by it (a plan.text_tokens given as well is
+    planned, up to data.max_length); else plan.text_tokens (default 512, or 32 for tiny models, whose
+    built-in conversations are about 15 text tokens) plus the image tokens of plan.images_per_sample
+    images.
+    """
+    plan = cfg.plan
+    images = int(plan.images_per_sample)
+    if plan.seq_len:
+        return int(plan.seq_len), images
+    longest = cfg.data.get("max_length")
+    if planned_at_max_length(cfg):
+        return int(longest), images
+    text = plan.text_tokens or (32 if cfg.model.source == "tiny" else 512)
+    typical = int(text) + images * stats.image_tokens
+    return (typical if longest is None else min(typical, int(longest))), images
+
+
+def planned_at_max_length(cfg: DictConfig) -> bool:
+    """Whether `sequence` plans data.max_length tokens per sample (neither plan.seq_len nor
+    plan.text_tokens given, and a limit set)."""
+    return not cfg.plan.seq_len and not cfg.plan.text_tokens and cfg.data.get("max_length") is not None
+
+
+def fewest_image_tokens(cfg: DictConfig) -> tuple[int, str] | None:
+    """(the fewest language-model tokens one image takes with this model, what decides it); None when
+    the model's config cannot be read here (training says why).
+
+    LLaVA: every image the same, its vision tower's patches. Qwen2-VL: an image brought up to
+    model.min_pixels (default the processor's 56 x 56). A tiny model: from model.image_size, read from
+    the config group (nothing is built)."""
+    model = cfg.model
+    if model.source == "tiny":
+        side = int(model.image_size) // int(model.patch_size)
+        merged = 4 if str(model.arch) == "tiny_qwen2_vl" else 1
+        return side * side // merged, f"{model.arch} at model.image_size={model.image_size}"
+    from launcher.model.models import read_config
+
+    try:
+        config = read_config(str(model.path))
+    except LauncherError:
+        return None
+    vision_config = config.vision_config
+    merge = getattr(vision_config, "spatial_merge_size", None)
+    if not merge:
+        return _image_tokens(cfg, config)[1], f"{config.model_type}, every image"
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    unit = vision_config.patch_size * merge
+    low = int(model.get("min_pixels") or 56 * 56)
+    height, width = smart_resize(unit, unit, factor=unit, min_pixels=low, max_pixels=max(low, 28 * 28 * 1280))
+    return (height // unit) * (width // unit), f"{config.model_type}, an image of model.min_pixels={low}"

@@ -1,0 +1,7 @@
+"""`python -m launcher.plan`."""
+
+import sys
+
+from launcher.plan.report import main
+
+sys.exit(main())

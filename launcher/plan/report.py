@@ -1,0 +1,322 @@
+"""Memory planner (report and CLI): what each DeepSpeed preset needs per device, before anything starts.
+
+    python -m launcher.plan model=llava_1_5_7b dist.nproc_per_node=8 plan.gpu_memory_gb=80
+    python -m launcher.plan                      # the built-in tiny model on this machine
+
+Takes the same overrides as train.py. The model is built on the meta device from its config (no
+weights are read), its parameters are counted per component with the configured freezing, and every
+preset x precision is estimated per device: model states (parameters, gradients, fp32 master
+weights, Adam states, as ZeRO partitions and offloads them), the optimizer step's fp32 gradients,
+communication buffers and activations. `preflight()` estimates only the job about to run.
+
+Each preset x precision is the job `train.py OVERRIDES deepspeed=PRESET precision=DTYPE` would run:
+composed by Hydra and planned by `launcher.job.plan_job`, like any job. The arithmetic lives in
+`launcher.memory` (pure), the model's counts and shapes in `launcher.model_stats`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from launcher.config.ds_config import fastest_precisions
+from launcher.core.errors import LauncherError, one_line
+from launcher.job.spec import HydraJob, JobSpec, plan_job, variant_overrides, world_size_of
+from launcher.model.stats import ModelStats, model_stats, planned_at_max_length, sequence
+from launcher.plan.memory import (
+    PRESETS,
+    GiB,
+    Layout,
+    Row,
+    Target,
+    estimate,
+    fits,
+    layout_from_ds_config,
+    recommend,
+)
+
+
+# ================================================================================ the machine
+def target_device(plan: DictConfig) -> Target:
+    """The device planned for: plan.gpu_memory_gb, else the detected accelerator's memory (a CPU: RAM)."""
+    import psutil
+
+    from launcher.job.checks import detect_device
+
+    device = detect_device()
+    ram = int(psutil.virtual_memory().total)
+    cpu_bytes = int(plan.cpu_memory_gb * GiB) if plan.cpu_memory_gb else ram
+    if device.kind == "cpu" and plan.gpu_memory_gb:
+        # Planning a GPU job from a machine without one: assume a current GPU (bf16 and fp16), and
+        # check CPU memory only when plan.cpu_memory_gb says how much that machine has.
+        kind, precisions = "cuda", fastest_precisions("cuda")
+        cpu_bytes = int(plan.cpu_memory_gb * GiB) if plan.cpu_memory_gb else None
+        source = f"plan.gpu_memory_gb={plan.gpu_memory_gb:g}"
+    else:
+        kind = device.kind
+        supported = {"bf16": device.bf16, "fp16": device.fp16, "fp32": True}
+        precisions = tuple(p for p in fastest_precisions(kind) if supported[p])  # fastest first (fp32 on a CPU)
+        if plan.gpu_memory_gb:
+            source = f"plan.gpu_memory_gb={plan.gpu_memory_gb:g}"
+        else:
+            source = f"detected {device.name or device.kind}" + (" (this machine's RAM)" if kind == "cpu" else "")
+    if plan.gpu_memory_gb:
+        device_bytes = int(plan.gpu_memory_gb * GiB)
+    elif kind == "cpu":
+        device_bytes = cpu_bytes or ram
+    else:
+        from deepspeed.accelerator import get_accelerator
+
+        device_bytes = int(get_accelerator().total_memory())
+    if plan.precisions:  # an enum list: the schema refused anything else at compose time
+        precisions = tuple(p for p in fastest_precisions(kind) if p in plan.precisions)
+    if not 0 <= plan.headroom < 1:
+        raise LauncherError(f"plan.headroom={plan.headroom} must be a fraction in [0, 1)")
+    return Target(kind, device_bytes, cpu_bytes, precisions, float(plan.headroom), source)
+
+
+# ================================================================================ configurations
+def variant_spec(
+    cfg: DictConfig, overrides: Sequence[str], preset: str, dtype: str, target: Target, hidden: int
+) -> JobSpec:
+    """The job `train.py OVERRIDES deepspeed=PRESET precision=DTYPE` would run, on the target device."""
+    from launcher.config.ds_config import Device
+
+    variant_args = variant_overrides(overrides, preset, dtype)
+    if "nvme" in PRESETS[preset][1:] and not cfg.offload.nvme_path:
+        variant_args.append("offload.nvme_path=/local_nvme")  # only the estimate needs a path: not checked here
+    hydra = HydraJob(run_dir=Path("."), overrides=tuple(variant_args))
+    device = Device(kind=target.kind, bf16=True, fp16=target.kind != "cpu")
+    return plan_job(compose(variant_args), hydra, device=device, hidden_size=hidden, validate=False)
+
+
+def plan_rows(
+    cfg: DictConfig,
+    overrides: Sequence[str],
+    stats: ModelStats,
+    target: Target,
+    *,
+    presets: Sequence[str] = tuple(PRESETS),
+    precisions: Sequence[str] | None = None,
+) -> list[Row]:
+    """One estimate per preset x precision, for the job's world size, batch and sequence."""
+    seq_len, images = sequence(cfg, stats)
+    rows = []
+    for preset in presets:
+        for dtype in precisions or target.precisions:
+            try:
+                variant = variant_spec(cfg, overrides, preset, dtype, target, stats.text.hidden)
+            except LauncherError as err:
+                rows.append(Row(preset, dtype, None, False, one_line(err)))
+                continue
+            layout = layout_from_ds_config(
+                variant.ds_config, world_size=variant.world_size, ranks_per_node=variant.ranks_per_node
+            )
+            est = estimate(stats, layout, seq_len=seq_len, images=images)
+            ok, why = fits(est, target)
+            rows.append(Row(preset, dtype, est, ok, why))
+    return rows
+
+
+def deepspeed_reference(stats: ModelStats, layout: Layout) -> tuple[int, int] | None:
+    """(GPU, CPU) bytes from DeepSpeed's own estimators, where they apply: ZeRO 2/3, bf16/fp16.
+
+    They assume every parameter trains, mixed precision, 2 P + 18 P / N on the GPU at stage 2
+    (16-bit parameters, then 16-bit and fp32 gradients, fp32 master, Adam), and add 4 x largest
+    layer at stage 3; the CPU figure includes loading the model (x 1.5 buffer factor).
+    """
+    if (
+        layout.stage not in (2, 3)
+        or stats.method != "full"  # adapters on a frozen base: far from the estimators' assumption
+        or layout.dtype == "fp32"
+        or "nvme" in (layout.offload_optimizer, layout.offload_param)
+    ):
+        return None
+    nodes = -(-layout.world_size // layout.ranks_per_node)
+    if layout.stage == 2:
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        cpu, gpu = estimate_zero2_model_states_mem_needs(
+            stats.total, layout.ranks_per_node, nodes, cpu_offload=layout.offload_optimizer == "cpu"
+        )
+    else:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+            stats.total,
+            stats.largest_layer,
+            layout.ranks_per_node,
+            nodes,
+            cpu_offload=layout.offload_optimizer == "cpu",
+            cpu_offload_params=layout.offload_param == "cpu",
+        )
+    return gpu, cpu
+
+
+# ================================================================================ preflight
+def preflight(cfg: DictConfig, spec: JobSpec) -> str | None:
+    """One line when the job's configuration is not expected to fit its device, else None.
+
+    Estimates the given DeepSpeed dict only (and, when it does not fit, the presets at the same
+    precision, to name the fastest one expected to fit). Problems training would also hit (an
+    unreadable model.path) raise LauncherError.
+    """
+    stats = model_stats(cfg)
+    target = target_device(cfg.plan)
+    seq_len, images = sequence(cfg, stats)
+    layout = layout_from_ds_config(spec.ds_config, world_size=spec.world_size, ranks_per_node=spec.ranks_per_node)
+    est = estimate(stats, layout, seq_len=seq_len, images=images)
+    ok, why = fits(est, target)
+    if ok:
+        return None
+    rows = plan_rows(cfg, spec.hydra.overrides, stats, target, precisions=(layout.dtype,))
+    best = recommend(rows, target.kind)
+    if best is not None:
+        advice = f"expected to fit: deepspeed={best.preset} precision={best.dtype}"
+    else:
+        advice = "no preset is expected to fit: lower train.micro_batch_size or data.max_length, or add ranks"
+    return (
+        f"memory plan: {layout.describe()} {why} (model states {est.states.on_device / GiB:.1f}, activations "
+        f"{est.activations / GiB:.1f} at micro batch {layout.micro_batch} x {seq_len} tokens, buffers "
+        f"{(est.step + est.buffers) / GiB:.1f}); usable: {target.usable_device / GiB:.1f} GiB of "
+        f"{target.device_bytes / GiB:.1f} ({target.source}, plan.headroom={target.headroom:g}); {advice}; "
+        "python -m launcher.plan with the same overrides prints every preset"
+    )
+
+
+# ================================================================================ the report
+def _unit(rows: Sequence[Row]) -> tuple[str, int]:
+    """GiB, or MiB for tables whose largest figure is under 1 GiB (tiny models)."""
+    largest = max((row.estimate.device_total for row in rows if row.estimate), default=0)
+    return ("GiB", GiB) if largest >= GiB else ("MiB", 2**20)
+
+
+def _amount(value: int | None, unit: int) -> str:
+    return "-" if value is None else f"{value / unit:.2f}"
+
+
+def format_table(rows: Sequence[Row], stats: ModelStats, *, markdown: bool = False, reference: bool = True) -> str:
+    """The estimates as an aligned text table (or Markdown), one row per preset x precision."""
+    _, unit = _unit(rows)
+    header = ["preset", "dtype", "model states", "activations", "step+buffers", "device total", "CPU/node", "fits"]
+    if reference:
+        header.append("DeepSpeed's estimate device/CPU")
+
+    def amount(value: int | None) -> str:
+        return _amount(value, unit)
+
+    table = [header]
+    for row in rows:
+        est = row.estimate
+        if est is None:
+            table.append([row.preset, row.dtype, "-", "-", "-", "-", "-", f"not valid: {row.why}"] + ([""] * reference))
+            continue
+        line = [
+            row.preset,
+            row.dtype,
+            amount(est.states.on_device),
+            amount(est.activations),
+            amount(est.step + est.buffers),
+            amount(est.device_total),
+            amount(est.cpu_per_node) + (f" (+{amount(est.nvme_per_node)} NVMe)" if est.nvme_per_node else ""),
+            "yes" if row.fits else "no",
+        ]
+        if reference:
+            ds_ref = deepspeed_reference(stats, est.layout)
+            line.append("-" if ds_ref is None else f"{amount(ds_ref[0])} / {amount(ds_ref[1])}")
+        table.append(line)
+    if markdown:
+        lines = ["| " + " | ".join(cells) + " |" for cells in table]
+        lines.insert(1, "|" + "|".join("---" for _ in header) + "|")
+        return "\n".join(lines)
+    widths = [max(len(str(r[i])) for r in table) for i in range(len(header))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table)
+
+
+def report(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
+    """The planner's whole output for a composed config: model, assumptions, table, recommendation."""
+    stats = model_stats(cfg)
+    target = target_device(cfg.plan)
+    rows = plan_rows(cfg, overrides, stats, target)
+    seq_len, images = sequence(cfg, stats)
+    world_size = world_size_of(cfg)
+    components = ", ".join(
+        f"{name} {count / 1e6:,.1f}M{' (frozen)' if name in stats.frozen else ''}"
+        for name, count in stats.components.items()
+    )
+    micro = next((row.estimate.layout.micro_batch for row in rows if row.estimate), None)
+    if target.kind == "cpu":
+        cpu = "the same memory (ranks and offloaded states share it)"
+    elif target.cpu_bytes is None:
+        cpu = "not checked (set plan.cpu_memory_gb)"
+    else:
+        cpu = f"{target.cpu_bytes / GiB:.1f} GiB"
+    lines = [
+        f"model {stats.name}: {stats.total / 1e6:,.1f}M parameters ({components}); "
+        f"{stats.trainable / 1e6:,.1f}M trainable (method={cfg.method.name})",
+        f"job: {world_size} rank(s), {cfg.dist.nproc_per_node} per node; micro batch {micro}; "
+        f"{seq_len} tokens per sample ({'data.max_length; ' if planned_at_max_length(cfg) else ''}"
+        f"{images} image(s) x {stats.image_tokens} image tokens)",
+        f"device: {target.device_bytes / GiB:.1f} GiB ({target.source}); CPU per node: {cpu}; "
+        f"fits = within {1 - target.headroom:.0%} (plan.headroom={target.headroom:g})",
+        f"{_unit(rows)[0]} per device unless noted; model states = parameters, gradients, fp32 master weights, "
+        "Adam states (the part on the device)",
+        "",
+        format_table(rows, stats, markdown=bool(cfg.plan.markdown)),
+        "",
+    ]
+    best = recommend(rows, target.kind)
+    if best is None:
+        lines.append(
+            "recommendation: nothing is expected to fit; lower train.micro_batch_size or data.max_length, or add ranks"
+        )
+    else:
+        lines.append(
+            f"recommendation: deepspeed={best.preset} precision={best.dtype} (the fastest expected to fit: "
+            f"{_amount(best.estimate.device_total, _unit(rows)[1])} {_unit(rows)[0]} per device)"
+        )
+    return "\n".join(lines)
+
+
+def compose(overrides: Sequence[str]) -> DictConfig:
+    """The config `python train.py OVERRIDES` would run with."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from launcher.config.schema import register_configs
+    from launcher.job.resume import CONF_DIR
+
+    register_configs()
+    if GlobalHydra.instance().is_initialized():
+        return hydra_compose(config_name="config", overrides=list(overrides))
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    if any(arg in ("-h", "--help") for arg in overrides):
+        print(__doc__)
+        return 0
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        cfg = compose(overrides)
+    except (HydraException, OmegaConfBaseException) as err:
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return 1
+    try:
+        print(report(cfg, overrides))
+    except LauncherError as err:
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return err.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

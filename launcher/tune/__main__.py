@@ -1,0 +1,7 @@
+"""`python -m launcher.tune`."""
+
+import sys
+
+from launcher.tune.tuner import main
+
+sys.exit(main())
