@@ -5,35 +5,47 @@
     python train.py -m deepspeed=z0,z2,z3 precision=bf16,fp32
     python train.py resume=outputs/runs/DATE/TIME          # continue a run in its own directory
 
-Kept thin on purpose: nothing heavy is imported before Hydra has parsed the command line, so
-`python train.py --cfg job` never loads torch, deepspeed or transformers.
+The command line's edge: what it prints and its exit code. The job itself is
+`launcher.launch.run.run_job`, which returns an outcome. Kept thin on purpose: nothing heavy is imported
+before Hydra has parsed the command line, so `python train.py --cfg job` never loads torch, deepspeed or
+transformers.
 """
 
+import os
 import sys
 
 import hydra
 from omegaconf import DictConfig
 
 from launcher.config.schema import register_configs
-from launcher.job.resume import resumed_run_dir
-from launcher.launch.run import check_output_dir_argument, strip_local_rank_argument
+from launcher.launch.cli import local_rank_dropped, refused_run_dir
 
 register_configs()
-strip_local_rank_argument()
-check_output_dir_argument()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
+    from launcher.job.spec import HydraJob
     from launcher.launch.run import run_job
 
-    return run_job(cfg)
+    job = HydraJob.from_hydra()
+    outcome = run_job(cfg, job)
+    for line, to_stderr in outcome.lines():
+        print(line, file=sys.stderr if to_stderr else sys.stdout, flush=True)
+    if outcome.exit_code and not job.multirun:  # a sweep records a failed job and goes on
+        sys.exit(outcome.exit_code)
+    return outcome.objective
 
 
 if __name__ == "__main__":
-    # A resume is composed from the old run's command line and runs in the old run's directory.
-    if (resumed := resumed_run_dir(sys.argv)) is not None:
-        from launcher.launch.run import run_resumed
-
-        sys.exit(run_resumed(resumed, sys.argv))
+    if (local_rank := local_rank_dropped(sys.argv)) is not None:  # run by DeepSpeed's launcher itself
+        os.environ.setdefault("LOCAL_RANK", local_rank)
+    if (refused := refused_run_dir(sys.argv)) is not None:
+        print(f"error: {refused}", file=sys.stderr)
+        sys.exit(2)
     main()
+    from launcher.compare.sweep import failed_sweep_line
+
+    if (failed := failed_sweep_line()) is not None:  # the end of a sweep, one of whose jobs failed
+        print(f"error: {failed}", file=sys.stderr)
+        sys.exit(1)

@@ -257,7 +257,7 @@ def reference_inputs(ref_run: Path) -> tuple[Any, dict[str, Any], list[dict], st
     from omegaconf import OmegaConf
 
     from launcher.data.records import read_data
-    from launcher.model.models import resolve_model_path
+    from launcher.model.tiny import resolve_model_path
 
     cfg = OmegaConf.load(ref_run / ".hydra" / "config.yaml")
     ds_config = json.loads((ref_run / "ds_config.json").read_text())

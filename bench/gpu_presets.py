@@ -274,7 +274,7 @@ def cpu_info_lines() -> list[str]:
 # ----------------------------------------------------------------------------- one preset (a worker)
 def planned_ds_config(preset: str, micro: int, steps: int, hidden_size: int, device: str) -> dict[str, Any]:
     """The DeepSpeed dict `python train.py deepspeed=PRESET precision=bf16 ...` would hand to DeepSpeed."""
-    from launcher.config.ds_config import Device
+    from launcher.config.precision import Device
     from launcher.job.spec import HydraJob, plan_job
     from launcher.plan.report import compose
 

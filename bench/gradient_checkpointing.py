@@ -53,8 +53,11 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
 import _common as common
 
-from launcher.data.records import COLOURS, QUESTION, SHAPES, Collator
-from launcher.model.models import build_tiny_model_dir, enable_gradient_checkpointing, load_model_and_processor
+from launcher.data.shapes import COLOURS, QUESTION, SHAPES
+from launcher.data.collate import Collator
+from launcher.model.tiny import build_tiny_model_dir
+from launcher.model.components import enable_gradient_checkpointing
+from launcher.model.loading import load_model_and_processor
 from launcher.model.stats import model_stats
 from launcher.plan.memory import Layout, activation_bytes
 

@@ -27,18 +27,12 @@ import torch
 from torch.utils.data import DataLoader
 
 import launcher.data
-from launcher.data.records import (
-    COLOURS,
-    QUESTION,
-    SHAPES,
-    Collator,
-    ConversationDataset,
-    PromptCollator,
-    exact_match_accuracy,
-    generate_shapes,
-    load_records,
-)
-from launcher.model.models import build_tiny_model_dir, load_model_and_processor
+from launcher.data.shapes import COLOURS, QUESTION, SHAPES, generate_shapes
+from launcher.data.collate import Collator, PromptCollator
+from launcher.data.records import ConversationDataset, load_records
+from launcher.data.accuracy import exact_match_accuracy
+from launcher.model.tiny import build_tiny_model_dir
+from launcher.model.loading import load_model_and_processor
 
 
 def main() -> None:

@@ -61,8 +61,10 @@ def accuracy_before(model_dir: Path, samples: int) -> float:
     """Exact match of the unchanged model on the colour question's held-out split."""
     from omegaconf import OmegaConf
 
-    from launcher.data.records import ConversationDataset, exact_match_accuracy, load_records, prepare_data
-    from launcher.model.models import load_model_and_processor
+    from launcher.data.records import ConversationDataset, load_records
+    from launcher.data.accuracy import exact_match_accuracy
+    from launcher.data.shapes import prepare_data
+    from launcher.model.loading import load_model_and_processor
 
     data = OmegaConf.load(ROOT / "conf" / "data" / "shapes.yaml")
     data.task = "colour"

@@ -106,8 +106,8 @@ def hand_loop(ref_run: Path, steps: int, out: Path) -> None:
     from torch.utils.data import DataLoader, DistributedSampler
 
     from launcher.data.cache import CachedCollator, CachedDataset, cache_key
-    from launcher.data.records import LengthLimit
-    from launcher.model.models import load_model_and_processor
+    from launcher.data.length import LengthLimit
+    from launcher.model.loading import load_model_and_processor
 
     deepspeed_logger.setLevel(logging.WARNING)  # the recipe quiets it too (it logs every config key)
     cfg, ds_config, records, model_dir = common.reference_inputs(ref_run)

@@ -146,8 +146,9 @@ def hf_worker(ref_run: Path, steps: int, out: Path, *, deepspeed: bool) -> None:
     common.single_rank_env()
     from transformers import Trainer, TrainerCallback
 
-    from launcher.data.records import Collator, ConversationDataset
-    from launcher.model.models import load_model_and_processor
+    from launcher.data.collate import Collator
+    from launcher.data.records import ConversationDataset
+    from launcher.model.loading import load_model_and_processor
 
     cfg, ds_config, records, model_dir = common.reference_inputs(ref_run)
     if ds_config["scheduler"]["params"]["total_num_steps"] != steps:

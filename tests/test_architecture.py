@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from launcher.config.ds_config import Device, build_ds_config, precision_of
+from launcher.config.precision import Device, precision_of
+from launcher.config.ds_config import build_ds_config
 from launcher.core.errors import LauncherError
 from tests.conftest import ROOT, compose_plain
 
@@ -100,7 +101,7 @@ def _plan(args: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedPro
 
 @pytest.mark.parametrize("model", ["qwen2_vl_2b", "llava_1_5_7b", "qwen2_5_vl_7b"])
 def test_real_presets_plan_offline_with_the_same_table_as_a_local_copy(isolated_env, tmp_path, model):
-    from launcher.model.models import PRESET_CONFIGS
+    from launcher.model.loading import PRESET_CONFIGS
 
     hub_id = {
         "qwen2_vl_2b": "Qwen/Qwen2-VL-2B-Instruct",

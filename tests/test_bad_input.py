@@ -440,7 +440,7 @@ def models_dir(tmp_path_factory) -> Path:
     """A tiny image-text-to-text model, broken copies of it, and a text-only model."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from launcher.model.models import build_tiny_model_dir
+    from launcher.model.tiny import build_tiny_model_dir
 
     root = tmp_path_factory.mktemp("models")
     vocabulary = ["red circle", "what is in the image?"]

@@ -13,27 +13,13 @@ import torch
 from PIL import Image
 
 from launcher.core.errors import LauncherError
-from launcher.data.records import (
-    COLOUR_QUESTION,
-    COLOURS,
-    IGNORE_INDEX,
-    MIN_ANSWER_TOKENS,
-    QUESTION,
-    SHAPES,
-    Collator,
-    ConversationDataset,
-    LengthLimit,
-    PromptCollator,
-    RecordTooLong,
-    estimated_length,
-    exact_match_accuracy,
-    fit_records,
-    generate_shapes,
-    load_records,
-    normalize_answer,
-    prepare_data,
-)
-from launcher.model.models import TINY_ARCHITECTURES, build_tiny_model_dir, load_model_and_processor, set_pixel_limits
+from launcher.data.shapes import COLOUR_QUESTION, COLOURS, QUESTION, SHAPES, generate_shapes, prepare_data
+from launcher.data.length import IGNORE_INDEX, MIN_ANSWER_TOKENS, LengthLimit, RecordTooLong
+from launcher.data.collate import Collator, PromptCollator, estimated_length, fit_records
+from launcher.data.records import ConversationDataset, load_records
+from launcher.data.accuracy import exact_match_accuracy, normalize_answer
+from launcher.model.tiny import TINY_ARCHITECTURES, build_tiny_model_dir
+from launcher.model.loading import load_model_and_processor, set_pixel_limits
 from tests.conftest import compose_config
 from tests.test_models import SIZES
 

@@ -16,8 +16,11 @@ from PIL import Image
 from launcher.core.errors import LauncherError
 from launcher.data.cache import CachedCollator, CachedDataset, RecordEncoder, ensure_cache
 from launcher.data.formats import BadRecordError, ReadOptions, read_records, skipped_entry
-from launcher.data.records import Collator, ConversationDataset, LengthLimit, add_dummy_image, fit_records
-from launcher.model.models import TINY_ARCHITECTURES, build_tiny_model_dir, load_model_and_processor
+from launcher.data.collate import Collator, add_dummy_image, fit_records
+from launcher.data.records import ConversationDataset
+from launcher.data.length import LengthLimit
+from launcher.model.tiny import TINY_ARCHITECTURES, build_tiny_model_dir
+from launcher.model.loading import load_model_and_processor
 from tests.test_data import VOCABULARY, long_records
 from tests.test_models import SIZES
 

@@ -12,17 +12,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from launcher.config.ds_config import (
-    BATCH_KEYS,
-    KNOWN_TOP_LEVEL_KEYS,
-    TRAIN_KEY_OWNS,
-    Device,
-    build_ds_config,
-    derived_bucket_sizes,
-    explicit_groups_from_overrides,
-    resolve_batch_sizes,
-    resolve_precision,
-)
+from launcher.config.batch import BATCH_KEYS, resolve_batch_sizes
+from launcher.config.ds_config import KNOWN_TOP_LEVEL_KEYS, build_ds_config, derived_bucket_sizes, explicit_groups_from_overrides
+from launcher.config.knobs import TRAIN_KEY_OWNS
+from launcher.config.precision import Device, resolve_precision
 from launcher.core.errors import LauncherError
 from tests.conftest import CONF, compose_plain
 

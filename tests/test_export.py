@@ -34,7 +34,9 @@ def eval_accuracy(model, run_dir: Path) -> float:
     """Exact match of `model` on the run's held-out samples, as the run measured it (data.eval_samples)."""
     from transformers import AutoProcessor
 
-    from launcher.data.records import ConversationDataset, exact_match_accuracy, load_records, prepare_data
+    from launcher.data.records import ConversationDataset, load_records
+    from launcher.data.accuracy import exact_match_accuracy
+    from launcher.data.shapes import prepare_data
 
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     _, eval_file, image_root = prepare_data(cfg.data, ROOT / "outputs" / "cache")

@@ -14,15 +14,12 @@ import pytest
 import torch
 from PIL import Image
 
-from launcher.data.records import COLOURS, QUESTION, SHAPES, Collator
+from launcher.data.shapes import COLOURS, QUESTION, SHAPES
+from launcher.data.collate import Collator
 from launcher.model import stats as model_stats
-from launcher.model.models import (
-    TINY_ARCHITECTURES,
-    apply_freeze,
-    build_tiny_model_dir,
-    enable_gradient_checkpointing,
-    load_model_and_processor,
-)
+from launcher.model.tiny import TINY_ARCHITECTURES, build_tiny_model_dir
+from launcher.model.components import apply_freeze, enable_gradient_checkpointing
+from launcher.model.loading import load_model_and_processor
 from launcher.plan.memory import Layout, ModelStats, TransformerDims, activation_bytes
 from tests.conftest import compose_config, saved_for_backward
 from tests.test_plan import tiny_stats

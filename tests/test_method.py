@@ -144,7 +144,8 @@ def test_lora_knobs_out_of_range(override, message):
 def test_qlora_loads_a_4bit_base_stored_in_the_training_dtype(tmp_path):
     pytest.importorskip("bitsandbytes")
     from launcher.model.method import quantization_config
-    from launcher.model.models import load_model_and_processor, resolve_model_path
+    from launcher.model.loading import load_model_and_processor
+    from launcher.model.tiny import resolve_model_path
 
     cfg = compose_config(["method=qlora", "precision=bf16"])
     path = resolve_model_path(cfg.model, 0, tmp_path, [{"conversations": [{"value": "red circle"}]}])

@@ -20,14 +20,9 @@ from transformers import (
 )
 
 from launcher.core.errors import LauncherError
-from launcher.model.models import (
-    TINY_ARCHITECTURES,
-    apply_freeze,
-    build_tiny_model_dir,
-    component_parameter_counts,
-    load_model_and_processor,
-    text_hidden_size,
-)
+from launcher.model.tiny import TINY_ARCHITECTURES, build_tiny_model_dir
+from launcher.model.components import apply_freeze, component_parameter_counts
+from launcher.model.loading import load_model_and_processor, text_hidden_size
 
 VOCABULARY = ["<image>\nwhat is in the image?", "red circle", "blue square", "green triangle"]
 SIZES = {
@@ -270,7 +265,7 @@ def test_resolve_attn_implementation(monkeypatch, requested, device, precision, 
 def test_eager_and_sdpa_both_train_the_tiny_models(model_dirs, arch):
     from PIL import Image
 
-    from launcher.data.records import Collator
+    from launcher.data.collate import Collator
 
     images = [Image.new("RGB", (32, 32), colour) for colour in ("red", "blue", "green", "red")]
     answers = ["red circle", "blue square", "green triangle", "red circle"]

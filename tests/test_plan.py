@@ -33,7 +33,8 @@ from typing import Any
 
 import pytest
 
-from launcher.config.ds_config import Device, build_ds_config, resolve_precision
+from launcher.config.precision import Device, resolve_precision
+from launcher.config.ds_config import build_ds_config
 from launcher.core.errors import LauncherError
 from launcher.job.spec import HydraJob, plan_job
 from launcher.model import stats as model_stats
@@ -775,7 +776,7 @@ def probe(model_dir: str, case: dict[str, Any]) -> dict[str, int]:
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from launcher.model.models import apply_freeze
+    from launcher.model.components import apply_freeze
 
     ds = case["ds"]
     hf_ds_config = None

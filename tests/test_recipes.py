@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from launcher.config.ds_config import warmup_steps
+from launcher.config.knobs import warmup_steps
 from launcher.core.errors import LauncherError
 from launcher.job.length import resolve_training_length, steps_for_epochs
 from tests.conftest import CONF, ROOT, compose_config

@@ -274,7 +274,7 @@ def matrix_args(kind: str, n_train: int, workers: int, world: int, data_dir: Pat
     if kind == "shapes":
         data = [f"data.n_train={n_train}", "data.n_eval=16"]
     else:  # a file in LLaVA format: the shapes set, written where the test says
-        from launcher.data.records import generate_shapes
+        from launcher.data.shapes import generate_shapes
 
         train_json, eval_json, images = generate_shapes(data_dir, seed=0, n_train=n_train, n_eval=16, image_size=32)
         data = ["data=llava_json", f"data.path={train_json}", f"data.eval_path={eval_json}"]

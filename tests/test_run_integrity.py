@@ -276,7 +276,8 @@ def test_credentials_reach_no_file_a_run_writes(isolated_env, tmp_path):
 
 def test_the_ranks_get_the_real_values_back(tmp_path, monkeypatch):
     """What the launcher writes and hands over, and what a rank rebuilds from it, as the recipe does."""
-    from launcher.config.ds_config import Device, build_ds_config
+    from launcher.config.precision import Device
+    from launcher.config.ds_config import build_ds_config
     from launcher.core import credentials
     from tests.conftest import compose_plain
 

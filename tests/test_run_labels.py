@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from launcher.compare import compare
-from launcher.config.ds_config import Device, labelled_choices, offload_of
+from launcher.config.precision import Device, labelled_choices, offload_of
 from launcher.core.rundir import Summary
 from launcher.job.spec import HydraJob, plan_job
 from launcher.tracking.wandb_run import tags_from_choices

@@ -71,7 +71,8 @@ def test_default_job_learns_and_its_saved_model_reloads(run_train, tmp_path):
 
     model = AutoModelForImageTextToText.from_pretrained(run_dir / "model")
     processor = AutoProcessor.from_pretrained(run_dir / "model")
-    from launcher.data.records import exact_match_accuracy, prepare_data
+    from launcher.data.accuracy import exact_match_accuracy
+    from launcher.data.shapes import prepare_data
 
     run_cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     _, eval_file, image_root = prepare_data(run_cfg.data, ROOT / "outputs" / "cache")  # the run's cached data

@@ -266,7 +266,7 @@ RESET = "RuntimeError: [pair.cc:537] Read error [127.0.0.1]:41101: Connection re
 def test_a_rank_failing_because_another_did_says_so_and_names_the_zero3_cause(error):
     """gloo aborts a rank on a mismatched gather; the other then sees either the broken connection or,
     when torchrun's SIGTERM reaches its DataLoader worker first, a terminated worker: both get the hint."""
-    from launcher.core.errors import step_failure
+    from launcher.core.rank_errors import step_failure
 
     line = step_failure(error, 1, world_size=2, zero_stage=3)
     assert line.startswith("step 1: ") and "another rank failed" in line and "keep data.modality_guard on" in line
@@ -275,6 +275,6 @@ def test_a_rank_failing_because_another_did_says_so_and_names_the_zero3_cause(er
 
 
 def test_an_ordinary_step_failure_only_gains_its_step():
-    from launcher.core.errors import step_failure
+    from launcher.core.rank_errors import step_failure
 
     assert step_failure("ValueError: bad", 7, world_size=2, zero_stage=3) == "step 7: ValueError: bad"

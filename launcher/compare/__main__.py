@@ -2,6 +2,6 @@
 
 import sys
 
-from launcher.compare.compare import main
+from launcher.compare.cli import main
 
 sys.exit(main())

@@ -8,12 +8,14 @@ and transformers so that `python train.py --cfg job` is instant.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 
 # ----------------------------------------------------------------------------- closed choices
@@ -376,5 +378,46 @@ class Config:
 
 
 def register_configs() -> None:
-    """Register the root schema; `conf/config.yaml` lists it first in its defaults."""
+    """Register the root schema (`conf/config.yaml` lists it first in its defaults) and the resolver that
+    puts a resume in its own run directory (`hydra.run.dir` in conf/config.yaml)."""
     ConfigStore.instance().store(name="base_config", node=Config)
+    if not OmegaConf.has_resolver("run_dir_of"):
+        OmegaConf.register_new_resolver("run_dir_of", run_dir_of)
+
+
+def run_dir_of(resume: str | None, fresh: str) -> str:
+    """Where a job runs: `resume=DIR` continues in DIR when a job was started there (its command line is
+    in DIR/.hydra/overrides.yaml); any other job in `fresh` (a new dated directory, or hydra.run.dir)."""
+    if resume in (None, "", "auto", "null"):
+        return fresh
+    run_dir = Path(str(resume)).expanduser().absolute()
+    return str(run_dir) if (run_dir / ".hydra" / "overrides.yaml").is_file() else fresh
+
+
+# ----------------------------------------------------------------------------- the typed form
+def typed(cfg: DictConfig) -> Config:
+    """A composed config as the schema's dataclasses: every value typed, every interpolation resolved."""
+    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+
+
+def from_plain(data: dict[str, Any]) -> Config:
+    """A config written out with `plain` (job.json's), typed again."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), data))  # type: ignore[return-value]
+
+
+def config_from_yaml(path: Path) -> Config:
+    """A run's `.hydra/config.yaml` (as written, interpolations and all), typed and resolved."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path)))  # type: ignore[return-value]
+
+
+def plain(node: Any) -> Any:
+    """A typed config (or any part of it) as JSON data: dataclasses as dicts, choices as their strings."""
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        return {f.name: plain(getattr(node, f.name)) for f in dataclasses.fields(node)}
+    if isinstance(node, Enum):
+        return node.value
+    if isinstance(node, dict):
+        return {key: plain(value) for key, value in node.items()}
+    if isinstance(node, list | tuple):
+        return [plain(value) for value in node]
+    return node

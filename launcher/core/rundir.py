@@ -1,13 +1,15 @@
-"""The run directory: one object names every path a run writes; summary.json is one typed record.
+"""The run directory: the one place every path a run writes is spelled.
 
-    .hydra/            Hydra's config.yaml, hydra.yaml, overrides.yaml (the job's command line)
-    ds_config.json     the exact dict given to DeepSpeed
-    job.json           the job spec the ranks read (world size, precision, overrides, choices, W&B group)
-    metrics.jsonl      one line per logged step
-    summary.json       the run's outcome (status "running" until it ends)
+    .hydra/            config.yaml, hydra.yaml, overrides.yaml: the job's config and command line
+                       (written by the launcher, without credentials: `write_hydra_files`)
+    ds_config.json     the exact dict given to DeepSpeed (credentials left out)
+    job.json           the job the ranks run (launcher.job.spec.Job)
+    metrics.jsonl      one line per step
+    summary.json       the run's outcome (launcher.core.summary.Summary; status "running" until it ends)
     train.log          the log of rank 0
-    checkpoints/       resumable checkpoints (launcher.checkpoint)
-    errors/            each failing rank's one-line error and traceback (launcher.errors)
+    checkpoints/       resumable checkpoints: <tag>/ (DeepSpeed's files, launcher_rank<R>.pt, the marker),
+                       latest, universal/<tag>/ (launcher.core.checkpoints)
+    errors/            each failing rank's one-line error, traceback and stacks; the step in flight
     skipped_records.jsonl  each record skipped (bad, or over data.max_length): file, record, reason
     model/             the final model in Hugging Face format
     stop_requested     a stop signal forwarded to the ranks by the launcher process
@@ -22,23 +24,31 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import fcntl
 import json
-import math
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import yaml
+
+from launcher.core.json_files import finite, read_json, write_json_atomic, write_text_atomic
+from launcher.core.summary import Summary
 
 # Run directories this process owns: path of the lock file -> its open descriptor.
 _claimed: dict[str, int] = {}
 
+HYDRA_DIR = ".hydra"
 JOB_FILE = "job.json"
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
 DS_CONFIG_FILE = "ds_config.json"
+CHECKPOINTS_DIR = "checkpoints"
+UNIVERSAL_DIR = "universal"  # checkpoints/universal/<tag>: a checkpoint converted for another shape
+MARKER_FILE = "launcher_complete.json"  # written last into a checkpoint: it is complete
+LATEST_FILE = "latest"
 
 
 @dataclass(frozen=True)
@@ -47,17 +57,24 @@ class RunDir:
 
     path: Path
 
+    # ------------------------------------------------------------------ the job's config
     @property
     def hydra(self) -> Path:
-        return self.path / ".hydra"
+        return self.path / HYDRA_DIR
 
     @property
     def config(self) -> Path:
-        """The composed config the ranks train with (written by Hydra, or by a resume)."""
+        """The composed config, as the command line gave it (`train.epochs` not yet turned into steps)."""
         return self.hydra / "config.yaml"
 
     @property
+    def hydra_config(self) -> Path:
+        """Hydra's own node of the job (its group choices under runtime.choices)."""
+        return self.hydra / "hydra.yaml"
+
+    @property
     def overrides(self) -> Path:
+        """The job's command line: what a resume composes again."""
         return self.hydra / "overrides.yaml"
 
     @property
@@ -68,6 +85,26 @@ class RunDir:
     def job(self) -> Path:
         return self.path / JOB_FILE
 
+    def is_run(self) -> bool:
+        """Whether a job was started here (its command line is recorded)."""
+        return self.overrides.is_file()
+
+    def read_overrides(self) -> list[str]:
+        return [str(item) for item in yaml.safe_load(self.overrides.read_text()) or []]
+
+    def write_hydra_files(self, config: dict[str, Any], hydra: dict[str, Any], overrides: list[str]) -> None:
+        """The run's `.hydra/` files, as Hydra would write them: the composed config, Hydra's node and the
+        command line. The only writer of `.hydra/` (Hydra's own is off: conf/config.yaml output_subdir):
+        callers pass them with credentials already left out (launcher.core.credentials)."""
+        self.hydra.mkdir(parents=True, exist_ok=True)
+        for path, content in (
+            (self.config, config),
+            (self.hydra_config, {"hydra": hydra}),
+            (self.overrides, list(overrides)),
+        ):
+            write_text_atomic(path, yaml.safe_dump(content, default_flow_style=False, sort_keys=False))
+
+    # ------------------------------------------------------------------ what training writes
     @property
     def metrics(self) -> Path:
         return self.path / METRICS_FILE
@@ -81,35 +118,12 @@ class RunDir:
         return self.path / "train.log"
 
     @property
-    def checkpoints(self) -> Path:
-        return self.path / "checkpoints"
-
-    @property
-    def errors(self) -> Path:
-        return self.path / "errors"
-
-    @property
     def model(self) -> Path:
         return self.path / "model"
 
     @property
     def skipped_records(self) -> Path:
         return self.path / "skipped_records.jsonl"
-
-    def write_skipped_records(self, entries: list[dict[str, Any]]) -> None:
-        """Rank 0: one JSON line per record the run skips, replacing the file (a resume finds the same
-        records again, and writes them once); no file when nothing is skipped."""
-        if not entries:
-            self.skipped_records.unlink(missing_ok=True)
-            return
-        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".skipped_records.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as handle:
-                handle.writelines(json.dumps(entry, default=str) + "\n" for entry in entries)
-            os.replace(tmp, self.skipped_records)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
 
     @property
     def stop_file(self) -> Path:
@@ -123,6 +137,48 @@ class RunDir:
     def lock(self) -> Path:
         return self.path / ".lock"
 
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS_DIR
+
+    def checkpoint(self, tag: str) -> Path:
+        return self.checkpoints / tag
+
+    def marker(self, tag: str) -> Path:
+        """The file that makes checkpoint `tag` complete (launcher.core.checkpoints.CheckpointMarker)."""
+        return self.checkpoints / tag / MARKER_FILE
+
+    @property
+    def latest(self) -> Path:
+        """The name of the checkpoint to resume from, replaced atomically once its marker exists."""
+        return self.checkpoints / LATEST_FILE
+
+    def universal(self, tag: str) -> Path:
+        """Checkpoint `tag` converted for another world size or ZeRO stage (launcher.train.universal)."""
+        return self.checkpoints / UNIVERSAL_DIR / tag
+
+    # ------------------------------------------------------------------ errors of the ranks
+    @property
+    def errors(self) -> Path:
+        return self.path / "errors"
+
+    def rank_error(self, rank: int) -> Path:
+        """A failed rank's record: its one line, exit code, time (launcher.core.rank_errors)."""
+        return self.errors / f"rank{rank}.json"
+
+    def rank_traceback(self, rank: int) -> Path:
+        return self.errors / f"rank{rank}.txt"
+
+    def rank_stacks(self, rank: int) -> Path:
+        """Every thread's stack of a rank the step watchdog ended (launcher.train.watchdog)."""
+        return self.errors / f"rank{rank}_stacks.txt"
+
+    def in_step(self, rank: int) -> Path:
+        """The train step rank `rank` is in (blank between steps): named when a rank dies by a signal."""
+        return self.errors / f"rank{rank}.in_step"
+
+    # ------------------------------------------------------------------ owning it, and its records
     def claim(self) -> str | None:
         """Own this directory for the rest of this process's life; why not, when another job owns it.
 
@@ -157,13 +213,17 @@ class RunDir:
     def write_summary(self, summary: Summary) -> None:
         write_json_atomic(self.summary, summary.to_json())
 
-    def append_metrics(self, record: dict[str, Any]) -> None:
-        with self.metrics_writer() as writer:
-            writer.write(record)
-
     def metrics_writer(self) -> MetricsWriter:
         """metrics.jsonl opened once for appending (training writes a line per step)."""
         return MetricsWriter(self.metrics)
+
+    def write_skipped_records(self, entries: list[dict[str, Any]]) -> None:
+        """Rank 0: one JSON line per record the run skips, replacing the file (a resume finds the same
+        records again, and writes them once); no file when nothing is skipped."""
+        if not entries:
+            self.skipped_records.unlink(missing_ok=True)
+            return
+        write_text_atomic(self.skipped_records, "".join(json.dumps(entry, default=str) + "\n" for entry in entries))
 
 
 class MetricsWriter:
@@ -188,107 +248,12 @@ class MetricsWriter:
         self.close()
 
 
-@dataclass
-class Summary:
-    """summary.json: a run's outcome. Written by rank 0 while training, by the launcher otherwise."""
-
-    status: str = "running"  # running | completed | preempted | failed | interrupted
-    steps: int = 0
-    wall_s: float | None = None
-    final_loss: float | None = None
-    eval_loss: float | None = None
-    eval_accuracy: float | None = None
-    samples_per_sec: float | None = None
-    tokens_per_sec: float | None = None
-    peak_memory_bytes: int | None = None
-    world_size: int | None = None
-    zero_stage: int | None = None
-    precision: str | None = None
-    offload: str | None = None
-    comm: str | None = None
-    deepspeed: str | None = None
-    model: str | None = None
-    error: str | None = None
-    overrides: list[str] = field(default_factory=list)
-    choices: dict[str, Any] = field(default_factory=dict)
-    objective: float | None = None
-    # What training learnt about the job (absent from the file until known).
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def for_job(cls, job: dict[str, Any]) -> Summary:
-        """The summary of a job that has not produced anything yet.
-
-        A planned job's "choices" are its labels (launcher.ds_config.labelled_choices: what the DeepSpeed
-        dict trains with, a `deepspeed_json` run's included), and its stage and precision the dict's."""
-        choices = dict(job.get("choices") or {})
-        return cls(
-            world_size=job.get("world_size"),
-            zero_stage=job.get("zero_stage"),
-            precision=job.get("precision") or choices.get("precision"),
-            offload=choices.get("offload"),
-            comm=choices.get("comm"),
-            deepspeed=choices.get("deepspeed"),
-            model=choices.get("model"),
-            overrides=list(job.get("overrides") or []),
-            choices=choices,
-        )
-
-    def failed(self, error: str, *, wall_s: float, status: str = "failed") -> None:
-        """Record how the job ended when it did not complete."""
-        self.status = status
-        self.error = error.splitlines()[0] if error else error
-        if self.wall_s is None:
-            self.wall_s = round(wall_s, 3)
-
-    def to_json(self) -> dict[str, Any]:
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
-        return finite({**fields, **self.extra})
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Summary:
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        return cls(
-            **{k: v for k, v in data.items() if k in names}, extra={k: v for k, v in data.items() if k not in names}
-        )
-
-
 def _remove_if_unused(path: Path) -> None:
     """At exit: remove a run directory this process made and never used (only its lock in it)."""
     with contextlib.suppress(OSError):
         if [entry.name for entry in path.iterdir()] == [".lock"]:
             (path / ".lock").unlink()
             path.rmdir()
-
-
-def summary_skeleton(job: dict[str, Any]) -> dict[str, Any]:
-    """The fields every summary.json has, with nulls where the run has not produced them."""
-    return Summary.for_job(job).to_json()
-
-
-def finite(obj: Any) -> Any:
-    """`obj` with every NaN or infinite float replaced by None (JSON has no NaN)."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {key: finite(value) for key, value in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [finite(value) for value in obj]
-    return obj
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON through a temporary file and a rename: readers see the old or the new file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(finite(obj), handle, indent=2, default=str, allow_nan=False)
-            handle.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def directory_problem(path: Path) -> str | None:
@@ -308,7 +273,3 @@ def directory_problem(path: Path) -> str | None:
         return f"cannot create a directory in {ancestor}: {err.strerror or err}"
     os.rmdir(probe)
     return None
-
-
-def read_json(path: Path) -> Any:
-    return json.loads(path.read_text())

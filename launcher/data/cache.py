@@ -43,7 +43,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from launcher.core.errors import LauncherError, TrainingFailed
+from launcher.data.collate import Collator, add_dummy_image, nothing_fits
 from launcher.data.formats import BadRecordError, skipped_entry
+from launcher.data.length import LengthLimit, RecordTooLong, fit_to_length, one_row, pad_rows, unchanged
 
 log = logging.getLogger("launcher")
 
@@ -98,15 +100,11 @@ class RecordEncoder:
     the sample is skipped instead."""
 
     def __init__(self, processor: Any, limit: Any = None):
-        from launcher.data.records import Collator, LengthLimit
-
         self.processor = processor
         self.collate = Collator(processor)
         self.limit = limit or LengthLimit()
 
     def __call__(self, sample: dict) -> tuple[dict[str, torch.Tensor], bool]:
-        from launcher.data.records import fit_to_length, one_row
-
         return fit_to_length(one_row(self.collate.labelled([sample])), self.limit, self.processor)
 
 
@@ -165,8 +163,6 @@ def ensure_cache(
                 f"data.on_bad_record=skip): fix the images, e.g. those of {records[0]['where']}"
             )
         if not kept:
-            from launcher.data.records import nothing_fits
-
             raise nothing_fits(len(records), encode.limit, written.too_long, written.skipped, written.too_long_example)
         meta = {
             "version": CACHE_VERSION,
@@ -243,7 +239,6 @@ def _write_tensors(
     on_bad_record: str,
     workers: int,
 ) -> _Written:
-    from launcher.data.records import RecordTooLong, unchanged
 
     decoded = _Decoded(len(records), load, encode)
     loader = DataLoader(
@@ -356,7 +351,6 @@ class CachedCollator:
         self.image_every_batch = image_every_batch
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
-        from launcher.data.records import add_dummy_image, pad_rows
 
         batch = pad_rows([sample["tensors"] for sample in samples], self.pad_token_id)
         if self.image_every_batch and "pixel_values" not in batch:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -31,10 +32,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from launcher.config.schema import Config, OnBadRecord, config_from_yaml
+from launcher.core.checkpoints import complete_tags, find_resume_tag, read_marker
 from launcher.core.errors import LauncherError, TrainingFailed, one_line
-from launcher.core.rundir import RunDir, read_json
-from launcher.job.reshard import UNIVERSAL_DIR
+from launcher.core.rundir import UNIVERSAL_DIR, RunDir
+from launcher.data.collate import Collator
+from launcher.data.formats import BadRecordError
+from launcher.data.records import ConversationDataset, read_data
+from launcher.model.loading import load_model_and_processor, set_pixel_limits
+from launcher.model.method import apply_method, uses_adapters
 from launcher.train import universal
+from launcher.train.checkpoint import write_failures_reported
 
 log = logging.getLogger("launcher.export")
 
@@ -119,16 +127,13 @@ def export(
     tolerance: float = DEFAULT_TOLERANCE,
 ) -> Exported:
     """Write the run's model to `out`, reload it and compare its logits with the trained model's."""
-    from launcher.model.models import set_pixel_limits
-    from launcher.train.checkpoint import write_failures_reported
-
     directory = RunDir(Path(run_dir))
     out = Path(out) if out is not None else directory.path / ("export-merged" if merge else "export")
     _check_destination(out)
     cfg = _run_config(directory)
     source = load_source(directory, cfg, checkpoint)
     # The run's image resolution (Qwen2-VL family) goes with its processor: a base's has its own.
-    set_pixel_limits(source.processor, min_pixels=cfg.model.get("min_pixels"), max_pixels=cfg.model.get("max_pixels"))
+    set_pixel_limits(source.processor, min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
     batches = held_out_batches(cfg, source.processor, samples)
     reference = logits(source.model, batches)
     model = source.model
@@ -162,22 +167,17 @@ def _check_destination(out: Path) -> None:
         raise LauncherError(f"--out {out} exists and is not empty: give a new directory (or remove that one first)")
 
 
-def _run_config(directory: RunDir):
-    from omegaconf import OmegaConf
-
+def _run_config(directory: RunDir) -> Config:
     if not directory.config.is_file():
         raise LauncherError(
             f"{directory.path} is not a run directory (no .hydra/config.yaml): give the directory train.py wrote"
         )
-    return OmegaConf.load(directory.config)
+    return config_from_yaml(directory.config)
 
 
 # ----------------------------------------------------------------------------- the trained model
-def load_source(directory: RunDir, cfg: Any, checkpoint: str | None) -> Source:
+def load_source(directory: RunDir, cfg: Config, checkpoint: str | None) -> Source:
     """The trained model in fp32: from model/, or from a checkpoint consolidated by zero_to_fp32."""
-    from launcher.model.method import uses_adapters
-    from launcher.train import checkpoint as checkpoints
-
     adapters = uses_adapters(cfg.method)
     model_dir = directory.model
     if checkpoint is None and any((model_dir / name).is_file() for name in ("config.json", "adapter_config.json")):
@@ -185,17 +185,16 @@ def load_source(directory: RunDir, cfg: Any, checkpoint: str | None) -> Source:
     saved = directory.checkpoints.is_dir()
     tag = checkpoint
     if tag in (None, "latest"):
-        tag = checkpoints.find_resume_tag(directory.checkpoints, warn=log.warning) if saved else None
+        tag = find_resume_tag(directory, warn=log.warning) if saved else None
     if tag is None:
         raise LauncherError(
             f"{directory.path} holds no model/ and no complete checkpoint to export: export a run that finished, "
             "or one that saved a checkpoint (train.save_every=N)"
         )
-    tag_dir = directory.checkpoints / tag
     original = tag.removeprefix(f"{UNIVERSAL_DIR}/")  # a universal copy: its original holds the marker
-    complete_copy = tag == original or universal.is_universal(tag_dir)
-    if not (complete_copy and (directory.checkpoints / original / checkpoints.MARKER_FILE).is_file()):
-        complete = [t for _, t in checkpoints.complete_tags(directory.checkpoints)] if saved else []
+    complete_copy = tag == original or universal.is_universal(directory.checkpoint(tag))
+    if not (complete_copy and directory.marker(original).is_file()):
+        complete = [t for _, t in complete_tags(directory)] if saved else []
         raise LauncherError(
             f"--checkpoint {tag}: no complete checkpoint of that name in {directory.checkpoints} "
             f"(complete: {', '.join(complete) or 'none'}; universal copies: {UNIVERSAL_DIR}/TAG)"
@@ -218,45 +217,40 @@ def _from_model_dir(model_dir: Path, adapters: bool) -> Source:
 def _load_fp32(path: str) -> tuple[Any, Any]:
     import torch
 
-    from launcher.model.models import load_model_and_processor
-
     return load_model_and_processor(path, torch_dtype=torch.float32)
 
 
-def _from_checkpoint(directory: RunDir, cfg: Any, tag: str, adapters: bool) -> Source:
+def _from_checkpoint(directory: RunDir, cfg: Config, tag: str, adapters: bool) -> Source:
     """Rebuild the model the run trained (base, freezing, adapters) and load the consolidated weights."""
-    from launcher.model.method import apply_method
-    from launcher.train import checkpoint as checkpoints
-
-    marker = checkpoints.read_marker(directory.checkpoints, tag.removeprefix(f"{UNIVERSAL_DIR}/"))
-    summary = read_json(directory.summary) if directory.summary.is_file() else {}
-    base = marker.get("base_model") or (summary.get("extra") or {}).get("base_model")
+    marker = read_marker(directory, tag.removeprefix(f"{UNIVERSAL_DIR}/"))
+    summary = directory.read_summary()
+    base = marker.base_model or (summary.base_model if summary else None)
     if not base:
         raise LauncherError(
-            f"checkpoint {directory.checkpoints / tag} does not name its base model (saved by an older launcher); "
+            f"checkpoint {directory.checkpoint(tag)} does not name its base model (saved by an older launcher); "
             "export the run's model/ instead"
         )
     model, processor = _load_fp32(base)
     model = apply_method(model, cfg.method, cfg.model)
-    if universal.is_universal(directory.checkpoints / tag):
+    if universal.is_universal(directory.checkpoint(tag)):
         # Trained parameters only (frozen ones keep the base's values, as in training).
         trained = {name: param.shape for name, param in model.named_parameters() if param.requires_grad}
-        state = universal.full_state_dict(directory.checkpoints / tag, trained)
+        state = universal.full_state_dict(directory.checkpoint(tag), trained)
         parameters = set(trained)
     else:
-        state = consolidated_state_dict(directory.checkpoints, tag)
+        state = consolidated_state_dict(directory, tag)
         parameters = {name for name, _ in model.named_parameters()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [name for name in missing if name in parameters]
     if missing or unexpected:
         raise LauncherError(
-            f"checkpoint {directory.checkpoints / tag} does not fit the model {base} with method={cfg.method.name} "
+            f"checkpoint {directory.checkpoint(tag)} does not fit the model {base} with method={cfg.method.name} "
             f"({len(missing)} weights missing, e.g. {missing[:1]}; {len(unexpected)} unexpected, e.g. {unexpected[:1]})"
         )
     return Source(model.float().eval(), processor, base, adapters, f"checkpoint {tag}")
 
 
-def consolidated_state_dict(checkpoints_dir: Path, tag: str) -> dict[str, Any]:
+def consolidated_state_dict(run_dir: RunDir, tag: str) -> dict[str, Any]:
     """The full fp32 state dict of a checkpoint, whatever its ZeRO stage and world size.
 
     Stages 1-3 (and bf16 at stage 0, whose optimizer partitions like stage 1): DeepSpeed's
@@ -268,11 +262,11 @@ def consolidated_state_dict(checkpoints_dir: Path, tag: str) -> dict[str, Any]:
     import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    tag_dir = checkpoints_dir / tag
+    tag_dir = run_dir.checkpoint(tag)
     if list(tag_dir.glob("*optim_states.pt")):
         # zero_to_fp32 prints its progress and draws progress bars.
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            return dict(get_fp32_state_dict_from_zero_checkpoint(str(checkpoints_dir), tag=tag))
+            return dict(get_fp32_state_dict_from_zero_checkpoint(str(run_dir.checkpoints), tag=tag))
     state = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
     return {name: tensor.float() for name, tensor in state["module"].items()}
 
@@ -291,15 +285,10 @@ def reload(directory: Path, base: str, *, adapters: bool) -> Any:
     return AutoModelForImageTextToText.from_pretrained(str(directory), dtype=torch.float32).eval()
 
 
-def held_out_batches(cfg: Any, processor: Any, samples: int) -> list[dict[str, Any]]:
+def held_out_batches(cfg: Config, processor: Any, samples: int) -> list[dict[str, Any]]:
     """A few samples of the run's held-out split (its training split when it has none), collated."""
-    from omegaconf import OmegaConf
-
-    from launcher.data.formats import BadRecordError
-    from launcher.data.records import Collator, ConversationDataset, read_data
-
     cache = Path(str(cfg.cache_dir)).expanduser().absolute()
-    data = OmegaConf.merge(cfg.data, {"on_bad_record": "skip"})
+    data = dataclasses.replace(cfg.data, on_bad_record=OnBadRecord.skip)
     loaded = read_data(data, cache)
     dataset = ConversationDataset(loaded.eval or loaded.train)
     chosen = []

@@ -1,7 +1,8 @@
-"""Checks at the edge: the device, the model's dimensions, paths, and DeepSpeed's own validation.
+"""Checks at the edge: the device, the inputs a job reads, and DeepSpeed's own validation of the dict.
 
 These need the machine, the file system or heavy imports, so they stay out of the pure builder in
-`launcher.ds_config`. Called before any process starts.
+`launcher.config.ds_config` and the ranges in `launcher.config.ranges`. The launcher runs them before any
+rank starts (`check_inputs`), so what the ranks would stop on stops the job once, in one line.
 """
 
 from __future__ import annotations
@@ -12,11 +13,36 @@ import os
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
-from launcher.config.ds_config import Device
+from launcher.config.precision import Device
+from launcher.config.ranges import usable_cores
+from launcher.config.schema import Config, DataConfig, DistConfig, ModelConfig
 from launcher.core.errors import LauncherError
 from launcher.core.rundir import directory_problem
+from launcher.data.formats import looks_like_hub_id
+from launcher.data.records import read_data, require_one_global_batch
+from launcher.job.spec import Job
+from launcher.model.loading import check_pixel_limits, read_config, resolve_attn_implementation
+from launcher.model.method import check_adapter_targets, check_method, uses_adapters
+from launcher.model.stats import fewest_image_tokens, frozen_meta_model, model_dir
+
+
+def check_inputs(config: Config, job: Job, *, launching: bool) -> None:
+    """What the ranks would stop on, checked here so that it stops the job before any rank starts.
+
+    Data files and loader settings, the cache directory, a local model directory's weights, a tiny
+    model's records (read anyway for its vocabulary), the method (adapter targets, 4-bit loading), the
+    attention kernel and image resolution, and whether this machine has a device for every rank it
+    would start (not for a dry run, which may plan a job for a bigger machine)."""
+    check_data(config.data)
+    check_cache_dir(config)
+    check_model_files(config.model)
+    check_tiny_model_records(config, micro_batch=job.micro_batch, world_size=job.world_size)
+    check_method(config, job.device.kind, launching=launching)
+    if uses_adapters(config.method):
+        check_adapter_targets(frozen_meta_model(config), config)
+    check_model_choices(config, job.device.kind, job.precision, launching=launching)
+    if launching:
+        check_local_ranks(config.dist, job.device.kind)
 
 
 def detect_device() -> Device:
@@ -60,9 +86,9 @@ WEIGHT_FILES = (
 )
 
 
-def check_model_files(model_cfg: DictConfig) -> None:
+def check_model_files(model_cfg: ModelConfig) -> None:
     """A local model directory must hold weights, not only a config (a hub id is fetched by the ranks)."""
-    if model_cfg.source != "pretrained" or not model_cfg.path:
+    if str(model_cfg.source) != "pretrained" or not model_cfg.path:
         return
     path = Path(str(model_cfg.path)).expanduser()
     if path.is_dir() and not any((path / name).is_file() for name in WEIGHT_FILES):
@@ -72,123 +98,7 @@ def check_model_files(model_cfg: DictConfig) -> None:
         )
 
 
-# ----------------------------------------------------------------------------- every knob's range
-# A value out of range would otherwise reach a rank and fail there with a traceback (a model built
-# with 0 attention heads), or much later (a huge worker count, killed by the out-of-memory killer).
-WORKERS_PER_CORE = 4  # DataLoader workers beyond this many per usable core only add processes
-
-
-def check_knobs(cfg: DictConfig) -> None:
-    """Refuse, in one line naming the key, any knob outside its range, before anything starts.
-
-    The training knobs that enter the DeepSpeed dict are checked by the pure builder
-    (launcher.ds_config); the closed choices by the schema (enums) at compose time."""
-    _check_model_knobs(cfg.model)
-    _check_pixel_knobs(cfg.model)
-    data, dist, plan, train = cfg.data, cfg.dist, cfg.plan, cfg.train
-    cores = usable_cores()
-    if not 0 <= int(data.num_workers) <= WORKERS_PER_CORE * cores:
-        raise LauncherError(
-            f"data.num_workers={data.num_workers} must lie in [0, {WORKERS_PER_CORE * cores}] ({WORKERS_PER_CORE} per "
-            f"usable core, {cores} here): each worker is a process with its own copy of the data set; "
-            f"data.num_workers={min(cores, 2)} is plenty for images this size"
-        )
-    _at_least(data, "eval_samples", 1, "data")
-    _at_least(data, "max_new_tokens", 1, "data")
-    if data.synthetic:
-        _at_least(data, "n_train", 1, "data")
-        _at_least(data, "n_eval", 1, "data")  # an empty held-out file is refused when read
-        _at_least(data, "image_size", 8, "data")
-        _at_least(data, "seed", 0, "data")
-    _at_least(dist, "nproc_per_node", 1, "dist")
-    _at_least(dist, "nnodes", 1, "dist")
-    _at_least(dist, "node_rank", 0, "dist")
-    _at_least(dist, "timeout_s", 1, "dist")
-    if dist.step_timeout_s is not None and not 0 <= float(dist.step_timeout_s) < float("inf"):
-        raise LauncherError(
-            f"dist.step_timeout_s={dist.step_timeout_s} must be a number of seconds, or 0 (or null) for no watchdog"
-        )
-    _at_least(data, "max_image_pixels", 1, "data")
-    if data.get("max_length") is not None and int(data.max_length) < 1:
-        raise LauncherError(
-            f"data.max_length={data.max_length} must be a positive number of tokens per sample (text + image "
-            "tokens), e.g. 2048, or null for no limit"
-        )
-    if dist.master_port is not None and not 1 <= int(dist.master_port) <= 65535:
-        raise LauncherError(f"dist.master_port={dist.master_port} must be a TCP port in [1, 65535]")
-    _at_least(train, "keep_checkpoints", 1, "train")
-    _at_least(cfg.logger, "log_every", 1, "logger")
-    _at_least(train, "max_nonfinite_steps", 0, "train")
-    if not 0 <= int(train.seed) < 2**32:
-        raise LauncherError(f"train.seed={train.seed} must lie in [0, 2**32) (NumPy's seed range)")
-    for key in ("gpu_memory_gb", "cpu_memory_gb"):
-        if plan[key] is not None and not 0 < float(plan[key]) < float("inf"):
-            raise LauncherError(f"plan.{key}={plan[key]} must be a positive number of GiB (or null: detected)")
-    if not 0 <= float(plan.headroom) < 1:
-        raise LauncherError(f"plan.headroom={plan.headroom} must be a fraction in [0, 1)")
-    for key, low in (("seq_len", 1), ("text_tokens", 1), ("image_size", 1)):
-        if plan[key] is not None:
-            _at_least(plan, key, low, "plan")
-    _at_least(plan, "images_per_sample", 0, "plan")
-
-
-def _at_least(node: Any, key: str, low: int, group: str) -> None:
-    if int(node[key]) < low:
-        what = "positive" if low == 1 else f"at least {low}"
-        raise LauncherError(f"{group}.{key}={node[key]} must be {what}")
-
-
-def _check_model_knobs(model: DictConfig) -> None:
-    if model.source == "pretrained":
-        if not model.path:
-            raise LauncherError(f"model.path is empty for model={model.name}: give a hub id or a local directory")
-        return
-    if model.path:
-        raise LauncherError(
-            f"model.path={model.path} is given, but model={model.name} builds a tiny model from code and would "
-            f"ignore it: to train the model saved there add model.source=pretrained (a trained run's model/ "
-            "loads this way), or leave model.path unset"
-        )
-    if model.arch is None:
-        raise LauncherError(
-            f"model.arch is not set for the tiny model model={model.name}: use tiny_llava or tiny_qwen2_vl"
-        )
-    for key in ("hidden_size", "vision_hidden_size"):
-        if int(model[key]) < 32 or int(model[key]) % 32:
-            raise LauncherError(
-                f"model.{key}={model[key]} must be a positive multiple of 32 (attention heads of 32 dimensions), "
-                "e.g. 64 or 128"
-            )
-    for key in ("num_layers", "vision_layers", "image_size", "patch_size"):
-        _at_least(model, key, 1, "model")
-    if int(model.image_size) % int(model.patch_size):
-        raise LauncherError(
-            f"model.image_size={model.image_size} must be a multiple of model.patch_size={model.patch_size}"
-        )
-    if model.arch == "tiny_qwen2_vl" and (int(model.image_size) // int(model.patch_size)) % 2:
-        raise LauncherError(
-            f"model.image_size / model.patch_size = {int(model.image_size) // int(model.patch_size)} must be even: "
-            "tiny_qwen2_vl merges 2x2 patches"
-        )
-
-
-def _check_pixel_knobs(model: DictConfig) -> None:
-    """model.min_pixels / model.max_pixels: positive, and the range not empty (null: the processor's own)."""
-    low, high = model.get("min_pixels"), model.get("max_pixels")
-    for key, value in (("min_pixels", low), ("max_pixels", high)):
-        if value is not None and int(value) < 1:
-            raise LauncherError(
-                f"model.{key}={value} must be a positive number of pixels per image (e.g. {448 * 448} for 448 x 448), "
-                "or null for the processor's own"
-            )
-    if low is not None and high is not None and int(high) < int(low):
-        raise LauncherError(
-            f"model.max_pixels={high} is below model.min_pixels={low}: raise model.max_pixels or lower "
-            "model.min_pixels (each image is resized to between the two)"
-        )
-
-
-def check_model_choices(cfg: DictConfig, device_kind: str, precision: str, *, launching: bool = True) -> str:
+def check_model_choices(cfg: Config, device_kind: str, precision: str, *, launching: bool = True) -> str:
     """The model settings that need the machine or the model's config; returns the attention kernel.
 
     model.attn_implementation must run on this device, with the flash-attn package and in this
@@ -196,29 +106,23 @@ def check_model_choices(cfg: DictConfig, device_kind: str, precision: str, *, la
     asked). model.min_pixels / model.max_pixels need a dynamic-resolution model (the Qwen2-VL
     family): the model's config is read when either is set (a tiny model is built into the cache
     for it, as the memory preflight does)."""
-    from launcher.model.models import check_pixel_limits, read_config, resolve_attn_implementation
-
     attn = str(cfg.model.attn_implementation)
     if launching:
         attn = resolve_attn_implementation(attn, device_kind=device_kind, precision=precision)
-    min_pixels, max_pixels = cfg.model.get("min_pixels"), cfg.model.get("max_pixels")
+    min_pixels, max_pixels = cfg.model.min_pixels, cfg.model.max_pixels
     if min_pixels is not None or max_pixels is not None:
-        from launcher.model.stats import model_dir
-
         config = read_config(model_dir(cfg))
-        check_pixel_limits(config, min_pixels=min_pixels, max_pixels=max_pixels, tiny=cfg.model.source == "tiny")
+        check_pixel_limits(config, min_pixels=min_pixels, max_pixels=max_pixels, tiny=str(cfg.model.source) == "tiny")
     check_max_length(cfg)
     return attn
 
 
-def check_max_length(cfg: DictConfig) -> None:
+def check_max_length(cfg: Config) -> None:
     """data.max_length must leave room beside one image: below that every record with an image is
     skipped, which training would only find record by record."""
-    longest = cfg.data.get("max_length")
+    longest = cfg.data.max_length
     if longest is None:
         return
-    from launcher.model.stats import fewest_image_tokens
-
     found = fewest_image_tokens(cfg)
     if found is not None and int(longest) <= found[0]:
         tokens, what = found
@@ -229,10 +133,8 @@ def check_max_length(cfg: DictConfig) -> None:
         )
 
 
-def check_data(data: DictConfig) -> None:
+def check_data(data: DataConfig) -> None:
     """The data files exist and the loader's settings are valid (records are read by the ranks)."""
-    from launcher.data.formats import looks_like_hub_id
-
     if data.group_by_length and not data.cache:
         raise LauncherError(
             "data.group_by_length=true needs data.cache=true: the lengths it sorts by come from the cache"
@@ -250,7 +152,7 @@ def check_data(data: DictConfig) -> None:
             "'data.sources=[{path: a.json, weight: 3}, {path: b.parquet, weight: 1}]'"
         )
     sources = list(data.sources or [])
-    path = None if OmegaConf.is_missing(data, "path") else data.path
+    path = data.path
     if sources and path:
         raise LauncherError("data.path and data.sources are both set: give one data set (data.path) or a mixture")
     if not sources and not path:
@@ -272,9 +174,9 @@ def check_data(data: DictConfig) -> None:
             raise LauncherError(f"data.image_root={root}: no such directory")
 
 
-def check_cache_dir(cfg: DictConfig) -> None:
+def check_cache_dir(cfg: Config) -> None:
     """The built-in data set and tiny models are generated into cache_dir, which must be writable."""
-    if not (cfg.data.synthetic or cfg.model.source == "tiny"):
+    if not (cfg.data.synthetic or str(cfg.model.source) == "tiny"):
         return
     problem = directory_problem(Path(str(cfg.cache_dir)))
     if problem:
@@ -284,30 +186,16 @@ def check_cache_dir(cfg: DictConfig) -> None:
         )
 
 
-def check_tiny_model_records(cfg: DictConfig, *, micro_batch: int, world_size: int) -> None:
+def check_tiny_model_records(cfg: Config, *, micro_batch: int, world_size: int) -> None:
     """A tiny model's vocabulary comes from the data: read the records here, as the memory preflight
     would, so that a bad record is reported once, as an error, before any rank starts."""
-    if cfg.model.source != "tiny" or cfg.data.synthetic:
+    if str(cfg.model.source) != "tiny" or cfg.data.synthetic:
         return
-    from launcher.data.records import read_data
-
     records = read_data(cfg.data, Path(str(cfg.cache_dir)).expanduser().absolute()).train
-    if len(records) < micro_batch * world_size:
-        raise LauncherError(
-            f"data: {len(records)} usable training records, fewer than one global micro-batch "
-            f"({micro_batch} x {world_size} ranks)"
-        )
+    require_one_global_batch(len(records), micro_batch, world_size)
 
 
-def usable_cores() -> int:
-    """CPU cores this process may run on (its affinity mask, e.g. a SLURM or container allocation)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def check_local_ranks(dist: DictConfig, device_kind: str) -> None:
+def check_local_ranks(dist: DistConfig, device_kind: str) -> None:
     """Ranks started on this machine must each have a device: a GPU each, or on a CPU at least a core each.
 
     Only for launchers that start the ranks here (local, torchrun); DeepSpeed's hostfile and SLURM

@@ -22,10 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from launcher.core.checkpoints import CheckpointMarker
 from launcher.core.errors import LauncherError
-
-# The subfolder of a run's checkpoints/ that holds universal copies, one per converted tag.
-UNIVERSAL_DIR = "universal"
 
 
 @dataclass(frozen=True)
@@ -71,22 +69,22 @@ def _shape(world_size: Any, stage: Any, offload: str | None) -> str:
     return f"{world_size} rank(s) at ZeRO-{stage}{optimizer}"
 
 
-def reshard_for(marker: dict[str, Any], current: dict[str, Any]) -> Reshard | None:
+def reshard_for(marker: CheckpointMarker, current: dict[str, Any]) -> Reshard | None:
     """The reshard a resume needs (None: the same world size and stage, a plain resume), or one line
     saying why this checkpoint cannot continue on the new shape.
 
     `current` holds the new job's world_size, zero_stage, global_batch, offload_optimizer ("cpu",
     "nvme" or None) and data (the data config, plain)."""
-    saved_world_size, saved_stage = marker.get("world_size"), marker.get("zero_stage")
+    saved_world_size, saved_stage = marker.world_size, marker.zero_stage
     offload = current.get("offload_optimizer") or "none"
     # An older launcher's checkpoint does not record its offload: taken as unchanged.
-    saved_offload = marker.get("offload_optimizer", offload) or "none"
+    saved_offload = (offload if marker.offload_optimizer is None else marker.offload_optimizer) or "none"
     if (saved_world_size, saved_stage, saved_offload) == (current["world_size"], current["zero_stage"], offload):
         return None
     change = f"{_shape(saved_world_size, saved_stage, saved_offload)} -> " + _shape(
         current["world_size"], current["zero_stage"], offload
     )
-    if marker.get("global_batch") is None or marker.get("micro_batch") is None:
+    if marker.global_batch is None or marker.micro_batch is None:
         raise LauncherError(
             f"cannot resume on another shape ({change}): the checkpoint does not record its batch sizes (saved by "
             "an older launcher); resume with its world size and ZeRO stage"
@@ -116,16 +114,16 @@ def reshard_for(marker: dict[str, Any], current: dict[str, Any]) -> Reshard | No
                 f"cannot resume data.group_by_length=true on another world size ({change}): its batches are "
                 "grouped per rank; resume with the same world size, or with data.group_by_length=false"
             )
-    if int(current["global_batch"]) != int(marker["global_batch"]):
+    if int(current["global_batch"]) != int(marker.global_batch):
         raise LauncherError(
             f"cannot resume on another shape ({change}) with another global batch: the checkpoint trained with "
-            f"{marker['global_batch']} samples per step, this job has {current['global_batch']}"
+            f"{marker.global_batch} samples per step, this job has {current['global_batch']}"
         )
     return Reshard(
         saved_world_size=int(saved_world_size),
         saved_zero_stage=int(saved_stage),
-        saved_micro_batch=int(marker["micro_batch"]),
-        global_batch=int(marker["global_batch"]),
+        saved_micro_batch=int(marker.micro_batch),
+        global_batch=int(marker.global_batch),
         world_size=int(current["world_size"]),
         zero_stage=int(current["zero_stage"]),
         saved_offload=str(saved_offload),

@@ -1,121 +1,276 @@
-"""`resume=DIR|auto`: continue a run in its own directory, with its own command line.
+"""`resume=DIR|auto`: continue a run in its own directory, with its own command line. Decided here, once.
 
     python train.py resume=outputs/runs/2026-12-01/10-00-00                 # the same job, continued
     python train.py resume=outputs/runs/2026-12-01/10-00-00 train.max_steps=2000   # new overrides win
     python train.py ... hydra.run.dir=/shared/runs/exp1 resume=auto          # SLURM requeue: same command
 
-Resolving a resume is one explicit step before any job starts: the old run's `.hydra/overrides.yaml`
-and the new command line compose, through Hydra's compose API, into the config of the continued job;
-its run directory is the old one. Nothing in the old run is touched until the launcher accepts the
-resume (same world size, model and ZeRO stage as the checkpoint): only then are the new `.hydra/`
+A resume starts like any job (Hydra runs it in the old run's directory: conf/config.yaml's
+`hydra.run.dir` resolves `resume=DIR` there), and the launcher asks this module two questions:
+
+1. `continued(cfg, hydra)`: what job is continued? The old run's `.hydra/overrides.yaml` and the new
+   command line compose (Hydra's compose API) into the continued job's config; on another world size the
+   checkpoint's global batch is kept (the batch overrides join the command line).
+2. `decide(config, job)`, once that job is planned: from which checkpoint (the newest intact one), on
+   which shape (`launcher.job.reshard`: another world size or ZeRO stage goes through a universal
+   checkpoint), or nothing at all (the run finished at train.max_steps already); and what to tell the
+   user (damaged checkpoints passed over, a learning-rate schedule that changes).
+
+Nothing in the old run is touched until the launcher accepts the resume: only then are its `.hydra/`
 files written, so a refused `resume=DIR deepspeed=z2` leaves the run as it was.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import yaml
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
-from launcher.job.spec import HydraJob, choices_of
-
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-
-# Hydra flags that print something instead of running a job.
-NO_JOB_FLAGS = {"--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--version", "--shell-completion"}
-
-
-def override_key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
-
-
-def argument(argv: Sequence[str], key: str) -> str | None:
-    """The last value given to KEY on the command line, without quotes (None when not given)."""
-    values = [arg.split("=", 1)[1] for arg in argv[1:] if override_key(arg) == key and "=" in arg]
-    return values[-1].strip("'\"") if values else None
-
-
-def runs_a_job(argv: Sequence[str]) -> bool:
-    """False for Hydra's flags that print a config or help instead of running the job."""
-    return not any(arg.split("=", 1)[0] in NO_JOB_FLAGS for arg in argv[1:])
+from launcher.config.compose import compose, without_hydra
+from launcher.config.schema import Config, plain
+from launcher.core.checkpoints import (
+    CheckpointMarker,
+    complete_tags,
+    find_resume_tag,
+    incompatibilities,
+    lr_schedule_of,
+    read_marker,
+)
+from launcher.core.errors import LauncherError
+from launcher.core.overrides import argument, override_key, replaced
+from launcher.core.rundir import RunDir
+from launcher.core.summary import Summary
+from launcher.job.reshard import batch_overrides, reshard_for
+from launcher.job.spec import HydraJob, Job, Resume, choices_of, run_group
 
 
-def is_multirun(argv: Sequence[str]) -> bool:
-    return "-m" in argv or "--multirun" in argv
+@dataclass(frozen=True)
+class Continued:
+    """The job a resume continues: its composed config, in the old run's directory."""
+
+    cfg: DictConfig  # old overrides + new ones (which win)
+    hydra: HydraJob
+    hydra_node: DictConfig  # Hydra's node of that composition (written to .hydra/hydra.yaml once accepted)
+    notes: tuple[str, ...] = ()  # the batch kept on another world size
 
 
-def resumed_run_dir(argv: Sequence[str]) -> Path | None:
-    """The run directory this command continues, or None when it starts a new run.
+@dataclass(frozen=True)
+class ResumePlan:
+    """What a resume does, decided before any rank starts."""
 
-    `resume=DIR` continues DIR; `resume=auto` continues hydra.run.dir when a run was started there
-    (else the job starts fresh, as Hydra runs it). A DIR without a Hydra run is left to the launcher,
-    which reports it. Sweeps (-m) never resume."""
-    value = argument(argv, "resume")
-    if not value or value == "null" or is_multirun(argv) or not runs_a_job(argv):
+    resume: Resume | None  # the checkpoint the ranks load (None: the run starts over)
+    finished: Summary | None = None  # it ended at train.max_steps already: nothing to train
+    starts_over: bool = False  # resume=auto found no checkpoint: the job starts fresh in that directory
+    notes: tuple[str, ...] = ()  # damaged checkpoints passed over, a changed schedule
+
+
+def continued(cfg: DictConfig, hydra: HydraJob) -> Continued | None:
+    """The continued job of `resume=DIR` (or `resume=auto` where a job was started in hydra.run.dir); None
+    for a job that starts fresh. Sweeps (-m) never resume: each of their jobs has a directory of its own."""
+    value = cfg.get("resume")
+    if not value or hydra.multirun:
         return None
-    if value == "auto":
-        value = argument(argv, "hydra.run.dir")
-        if not value:
-            return None
-    run_dir = Path(value).expanduser().absolute()
-    return run_dir if (run_dir / ".hydra" / "overrides.yaml").is_file() else None
+    run_dir = RunDir(hydra.run_dir)
+    if value != "auto":
+        wanted = Path(str(value)).expanduser().absolute()
+        if RunDir(wanted).is_run() and wanted.resolve() != run_dir.path.resolve():
+            raise LauncherError(
+                f"resume={value} continues in its own directory, but hydra.run.dir={run_dir.path} was given: "
+                "leave hydra.run.dir out"
+            )
+    if not run_dir.is_run():
+        return None
+    new = [arg for arg in hydra.overrides if override_key(arg) != "hydra.run.dir"]
+    task = replaced(run_dir.read_overrides(), new)
+    composed = _compose_in(run_dir, task)
+    kept = _kept_global_batch(run_dir, composed.cfg, new)
+    if kept is None:
+        return composed
+    line, batch = kept
+    return dataclasses.replace(_compose_in(run_dir, [*task, *batch]), notes=(line,))
 
 
-def resumed_overrides(old: Sequence[str], new: Sequence[str]) -> list[str]:
-    """The old run's overrides, each replaced by a new one of the same key, then the new ones."""
-    new = [arg for arg in new if override_key(arg) != "hydra.run.dir"]
-    new_keys = {override_key(arg) for arg in new}
-    return [*(arg for arg in old if override_key(arg) not in new_keys), *new]
-
-
-@dataclass
-class ResumedJob:
-    """The composed config of a continued run, and what is written into its directory once accepted."""
-
-    cfg: DictConfig
-    hydra_cfg: DictConfig
-    job: HydraJob
-
-    def write_hydra_files(self) -> None:
-        """The run's `.hydra/` files, as Hydra writes them for a job: config, hydra node, overrides."""
-        out = self.job.run_dir / ".hydra"
-        out.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(self.cfg, out / "config.yaml")
-        OmegaConf.save(OmegaConf.create({"hydra": self.hydra_cfg}), out / "hydra.yaml")
-        (out / "overrides.yaml").write_text(yaml.safe_dump(list(self.job.overrides), default_flow_style=False))
-
-
-def compose_resumed(run_dir: Path, argv: Sequence[str]) -> ResumedJob:
-    """Compose the continued job: the old run's overrides with the new command line's (which win)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
-
-    old = yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()) or []
-    new = [arg for arg in argv[1:] if not arg.startswith("-")]
-    task = resumed_overrides(old, [arg for arg in new if not override_key(arg).startswith("hydra.")])
-    hydra_overrides = [
-        arg for arg in new if override_key(arg).startswith("hydra.") and override_key(arg) != "hydra.run.dir"
-    ]
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="train"):
-        cfg = compose(config_name="config", overrides=[*task, *hydra_overrides], return_hydra_config=True)
-    with open_dict(cfg):
-        cfg.hydra.run.dir = str(run_dir)
-        cfg.hydra.runtime.output_dir = str(run_dir)
-        cfg.hydra.overrides.task = task
-    HydraConfig.instance().set_config(cfg)  # ${hydra:...} interpolations resolve as in a Hydra run
-    hydra_cfg = cfg.hydra
-    with open_dict(cfg):
-        del cfg["hydra"]
+def _compose_in(run_dir: RunDir, task: Sequence[str]) -> Continued:
+    """The continued job's config (Hydra's compose API), placed in the old run's directory."""
+    cfg, hydra_node = without_hydra(compose(task, with_hydra=True))
+    with open_dict(hydra_node):
+        hydra_node.run.dir = str(run_dir.path)
+        hydra_node.runtime.output_dir = str(run_dir.path)
+        hydra_node.overrides.task = list(task)
     job = HydraJob(
-        run_dir=run_dir,
+        run_dir=run_dir.path,
         overrides=tuple(task),
-        choices=choices_of(hydra_cfg.runtime.choices),
+        choices=choices_of(hydra_node.runtime.choices),
         multirun=False,
-        group=f"run-{run_dir.parent.name}-{run_dir.name}",
+        group=run_group(run_dir.path),
     )
-    return ResumedJob(cfg=cfg, hydra_cfg=hydra_cfg, job=job)
+    return Continued(cfg=cfg, hydra=job, hydra_node=hydra_node)
+
+
+def _kept_global_batch(run_dir: RunDir, cfg: DictConfig, new: Sequence[str]) -> tuple[str, list[str]] | None:
+    """On another world size than the checkpoint's: the line that says the checkpoint's global batch is kept
+    and the batch overrides that keep it (accumulation adjusted), which join the resumed command line, so
+    the run's overrides.yaml records them and a later resume keeps them too. None on the same world size."""
+    tag = find_resume_tag(run_dir, warn=lambda line: None)  # `decide` warns, later
+    if tag is None:
+        return None
+    marker = read_marker(run_dir, tag)
+    world_size = int(cfg.dist.nproc_per_node) * int(cfg.dist.nnodes)
+    if marker.world_size == world_size or marker.global_batch is None:
+        return None
+    keys = ("train.micro_batch_size", "train.grad_accum", "train.global_batch_size")
+    argv = ["train.py", *new]
+    given = {key: value for key in keys if (value := argument(argv, key)) not in (None, "null")}
+    kept = batch_overrides(int(marker.global_batch), int(marker.micro_batch or 0), world_size, given)
+    if kept == [
+        f"train.micro_batch_size={cfg.train.micro_batch_size}",
+        "train.grad_accum=null",
+        f"train.global_batch_size={cfg.train.global_batch_size}",
+    ]:
+        return None
+    line = (
+        f"resume: on {world_size} rank(s) (saved on {marker.world_size}), the checkpoint's global batch "
+        f"{marker.global_batch} is kept: {' '.join(kept)}"
+    )
+    return line, kept
+
+
+def decide(config: Config, job: Job, *, warn: Callable[[str], None]) -> ResumePlan | None:
+    """What the resume of this planned job continues from, or why it cannot (one line); None without resume=.
+
+    Damaged checkpoints passed over are reported to `warn` as they are found."""
+    if not config.resume:
+        return None
+    run_dir = RunDir(job.run_dir)
+    tag = _checkpoint_to_resume(str(config.resume), run_dir, warn)
+    if tag is None:
+        return ResumePlan(
+            resume=None,
+            starts_over=True,
+            notes=(f"resume=auto: no checkpoint in {run_dir.checkpoints}, starting fresh",),
+        )
+    marker = read_marker(run_dir, tag)
+    differences = incompatibilities(
+        marker, precision=job.precision, model=plain(config.model), method=plain(config.method)
+    )
+    if differences:
+        raise LauncherError(
+            f"cannot resume {run_dir.checkpoint(tag)}: the job differs from the one that saved it "
+            f"({'; '.join(differences)}); resume with the same settings, or start a new run"
+        )
+    reshard = reshard_for(
+        marker,
+        {
+            "world_size": job.world_size,
+            "zero_stage": job.zero_stage,
+            "precision": job.precision,
+            "global_batch": job.global_batch,
+            "offload_optimizer": job.offload_optimizer,
+            "data": plain(config.data),
+        },
+    )
+    resume = Resume(tag, reshard)
+    finished = _finished(run_dir, marker, job.max_steps, tag)
+    change = schedule_change(marker, job.ds_config)
+    return ResumePlan(resume=resume, finished=finished, notes=() if change is None else (change,))
+
+
+def _checkpoint_to_resume(value: str, run_dir: RunDir, warn: Callable[[str], None]) -> str | None:
+    """The tag to continue from; None when resume=auto finds none (the job starts fresh there)."""
+    wanted = run_dir.path if value == "auto" else Path(value).expanduser()
+    if not wanted.is_dir():
+        raise LauncherError(f"resume={value}: no such directory; give the run directory of the run to continue")
+    if wanted.resolve() != run_dir.path.resolve():
+        raise LauncherError(
+            f"resume={value}: {wanted} is not a run directory (no .hydra/overrides.yaml); give the run "
+            "directory of the run to continue"
+        )
+    tag = find_resume_tag(run_dir, warn=warn)
+    if tag is None and complete_tags(run_dir):  # never start afresh over damaged checkpoints
+        raise LauncherError(
+            f"resume={value}: every checkpoint in {run_dir.checkpoints} is damaged (a file differs from "
+            "its size at save, named above); start a new run instead"
+        )
+    if tag is None and value != "auto":
+        raise LauncherError(
+            f"resume={value}: no complete checkpoint in {run_dir.checkpoints} (the run saved none, "
+            "or was killed before its first save finished); start a new run instead"
+        )
+    return tag
+
+
+def _finished(run_dir: RunDir, marker: CheckpointMarker, max_steps: int, tag: str) -> Summary | None:
+    """The summary of a completed run a resume would continue with nothing left to train.
+
+    A checkpoint past train.max_steps is refused: training would not run, and the summary would claim
+    fewer steps than the weights have seen."""
+    if marker.step > max_steps:
+        raise LauncherError(
+            f"train.max_steps={max_steps} is below step {marker.step} of the checkpoint {tag} this "
+            f"resume continues: give train.max_steps={marker.step} or more (or start a new run)"
+        )
+    summary = run_dir.read_summary()
+    if marker.step == max_steps and summary is not None and summary.status == "completed":
+        return summary
+    return None
+
+
+# ----------------------------------------------------------------------------- the learning-rate schedule
+# The scheduler's parameters by the knob a user changes them with (others by their DeepSpeed name).
+SCHEDULE_KNOBS = {
+    "lr": "train.lr",
+    "warmup_max_lr": "train.lr",
+    "total_num_steps": "train.max_steps",
+    "warmup_num_steps": "warm-up",
+    "cos_min_ratio": "train.min_lr_ratio",
+}
+
+
+def scheduled_lr(schedule: dict[str, Any], step: int) -> float | None:
+    """The learning rate metrics.jsonl shows at `step` (1-based: the scheduler has stepped `step` times)
+    under a schedule, from DeepSpeed's own scheduler class; None where DeepSpeed has no such class."""
+    import torch
+    from deepspeed.runtime import lr_schedules
+
+    block, lr = schedule.get("scheduler") or {}, schedule.get("lr")
+    cls = getattr(lr_schedules, str(block.get("type")), None)
+    if cls is None or lr is None:
+        return None
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=float(lr))
+    try:
+        # Built at its step (not at -1, where DeepSpeed warns that it has not started), then stepped there.
+        cls(optimizer, **{**(block.get("params") or {}), "last_batch_iteration": step - 1}).step(step - 1)
+    except (TypeError, ValueError):
+        return None
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def schedule_change(marker: CheckpointMarker, ds: dict[str, Any]) -> str | None:
+    """One line when this job's learning-rate schedule differs from the checkpoint's, else None.
+
+    DeepSpeed restores only the scheduler's step count: the schedule itself is rebuilt from this job's
+    config, so a resume with another train.max_steps (or warm-up, lr) continues on the new schedule,
+    re-stretched to the new length, and the learning rate jumps at the resume step. A checkpoint of an
+    older launcher does not record its schedule: nothing is said."""
+    saved, now = marker.lr_schedule, lr_schedule_of(ds)
+    if not saved or saved == now:
+        return None
+    step = marker.step
+    old = {"lr": saved.get("lr"), **((saved.get("scheduler") or {}).get("params") or {})}
+    new = {"lr": now.get("lr"), **((now.get("scheduler") or {}).get("params") or {})}
+    changes = {}
+    for key in [*old, *(key for key in new if key not in old)]:
+        if old.get(key) != new.get(key):
+            changes.setdefault(SCHEDULE_KNOBS.get(key, f"scheduler.params.{key}"), f"{old.get(key)} -> {new.get(key)}")
+    old_type, new_type = (str((s.get("scheduler") or {}).get("type")) for s in (saved, now))
+    if old_type != new_type:
+        changes = {"scheduler.type": f"{old_type} -> {new_type}", **changes}
+    what = ", ".join(f"{knob} {change}" + (" steps" if knob == "warm-up" else "") for knob, change in changes.items())
+    total = new.get("total_num_steps")
+    how = f"re-stretched to {total} steps" if "train.max_steps" in changes and total else "changed to the new values"
+    before, after = scheduled_lr(saved, step + 1), scheduled_lr(now, step + 1)
+    lrs = f" (lr at step {step + 1}: {before:.1e} -> {after:.1e})" if before is not None and after is not None else ""
+    return f"resume: {what}: the learning-rate schedule is {how} from step {step + 1} on{lrs}"

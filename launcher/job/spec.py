@@ -1,35 +1,32 @@
-"""The job spec: every fact a job depends on, derived once from the composed config and the machine.
+"""The job: every fact a run depends on, decided once by the launcher and read by every rank.
 
-World size, device, the language model's hidden size, the user's JSON base, the groups named on the
-command line, the final DeepSpeed dict and the precision it trains in are computed here and nowhere
-else. The launcher writes the spec to `job.json`; every rank, the planner, W&B and the checkpoints read
-these facts from it (or from the spec itself), so two parts of the launcher cannot disagree about them.
+    launcher (launcher.launch.run) ── plan_job ──> Job ── job.json ──> each rank (launcher.train.trainer)
+
+World size, device, the language model's hidden size, the resolved model path, the final DeepSpeed dict
+and the precision it trains in, the config with its training length in steps, and what a resume
+continues from: computed in the launcher, written to `job.json`, and read back by the ranks with
+`Job.from_json`, field by field. Nothing downstream asks these questions again, so two parts of the
+launcher cannot disagree about them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from launcher.config.precision import Device, labelled_choices, offload_of, precision_of
+from launcher.config.schema import Config, from_plain, plain
+from launcher.core import credentials
+from launcher.core.json_files import read_json
+from launcher.core.rundir import RunDir
+from launcher.core.summary import Summary
+from launcher.job.reshard import Reshard
 
-from launcher.config.ds_config import (
-    Device,
-    build_ds_config,
-    explicit_groups_from_overrides,
-    labelled_choices,
-    offload_of,
-    precision_of,
-)
-from launcher.core.errors import LauncherError
-
-# GiB a rank's CUDA allocator may hold: launcher.tune sets it for its candidates on a GPU, so a
-# candidate over the budget meets a real CUDA out-of-memory error (launcher.recipe applies it).
-CUDA_MEMORY_CAP_ENV = "LAUNCHER_CUDA_MEMORY_GB"
+# The version of job.json's layout: a rank refuses a job written by another layout.
+JOB_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -41,6 +38,8 @@ class HydraJob:
     choices: Mapping[str, str] = field(default_factory=dict)
     multirun: bool = False
     group: str = ""  # the W&B group: all jobs of one sweep share one; a single run is its own
+    # Hydra's own config of the job (what .hydra/hydra.yaml holds); None for a job not started by Hydra.
+    node: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_hydra(cls) -> HydraJob:
@@ -57,9 +56,27 @@ class HydraJob:
             overrides=tuple(hydra_cfg.overrides.task),
             choices=choices_of(hydra_cfg.runtime.choices),
             multirun=multirun,
-            group=f"sweep-{sweep_dir.parent.name}-{sweep_dir.name}"
-            if multirun
-            else f"run-{run_dir.parent.name}-{run_dir.name}",
+            group=f"sweep-{sweep_dir.parent.name}-{sweep_dir.name}" if multirun else run_group(run_dir),
+            node=hydra_cfg,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run_dir": str(self.run_dir),
+            "overrides": list(self.overrides),
+            "choices": dict(self.choices),
+            "multirun": self.multirun,
+            "group": self.group,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> HydraJob:
+        return cls(
+            run_dir=Path(data["run_dir"]),
+            overrides=tuple(data["overrides"]),
+            choices=dict(data["choices"]),
+            multirun=bool(data["multirun"]),
+            group=str(data["group"]),
         )
 
 
@@ -68,26 +85,51 @@ def choices_of(runtime_choices: Mapping[str, Any]) -> dict[str, str]:
     return {key: value for key, value in runtime_choices.items() if not key.startswith("hydra")}
 
 
+def run_group(run_dir: Path) -> str:
+    """The W&B group of a single run: its own, named by its directory."""
+    return f"run-{run_dir.parent.name}-{run_dir.name}"
+
+
 @dataclass(frozen=True)
-class JobSpec:
-    """One job: its Hydra facts, its shape on the machine, and the DeepSpeed dict it trains with."""
+class Resume:
+    """Where a job continues from: a checkpoint of its run, maybe saved on another shape."""
+
+    tag: str
+    reshard: Reshard | None = None  # another world size or ZeRO stage (launcher.job.reshard)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tag": self.tag, "reshard": None if self.reshard is None else self.reshard.to_json()}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Resume:
+        reshard = data.get("reshard")
+        return cls(tag=str(data["tag"]), reshard=None if reshard is None else Reshard.from_json(reshard))
+
+
+@dataclass(frozen=True)
+class Job:
+    """One job: its Hydra facts, its config, its shape on the machine, and the DeepSpeed dict it trains with."""
 
     hydra: HydraJob
+    config: Config  # typed; train.max_steps set (a length given in train.epochs is counted in steps)
+    ds_config: dict[str, Any]  # the final DeepSpeed dict, exactly as given to deepspeed.initialize
     world_size: int
     ranks_per_node: int
     device: Device
-    hidden_size: int
-    explicit_groups: frozenset[str]
-    ds_config: dict[str, Any]
-    model: dict[str, Any]  # the model config, as composed
-    method: dict[str, Any]  # what trains (the method group), as composed
-    resume_tag: str | None = None
-    reshard: dict[str, Any] | None = None  # a resume on another world size or ZeRO stage (launcher.reshard)
-    deepspeed_json: str | None = None  # the user's JSON the dict was composed onto (its path, as given)
+    hidden_size: int  # the language model's (bucket sizes)
+    explicit_groups: frozenset[str] = frozenset()  # what the command line named (launcher.config.ds_config)
+    model_path: str | None = None  # the hub id or directory the ranks load (a tiny model built); None: unresolved
+    launch_id: str | None = None  # which start of a SLURM job this is (launcher.launch.slurm.launch_id)
+    resume: Resume | None = None
+
+    # ------------------------------------------------------------------ facts read from the dict
+    @property
+    def run_dir(self) -> Path:
+        return self.hydra.run_dir
 
     @property
     def precision(self) -> str:
-        """fp32 | bf16 | fp16: what the DeepSpeed dict trains in (launcher.ds_config.precision_of)."""
+        """fp32 | bf16 | fp16: what the DeepSpeed dict trains in (launcher.config.precision.precision_of)."""
         return precision_of(self.ds_config)
 
     @property
@@ -95,11 +137,39 @@ class JobSpec:
         return int(self.ds_config["zero_optimization"]["stage"])
 
     @property
+    def offload_optimizer(self) -> str | None:
+        """cpu | nvme where the optimizer states live when offloaded, else None."""
+        device = (self.ds_config["zero_optimization"].get("offload_optimizer") or {}).get("device")
+        return None if device in (None, "none") else str(device)
+
+    @property
+    def micro_batch(self) -> int:
+        return int(self.ds_config["train_micro_batch_size_per_gpu"])
+
+    @property
+    def global_batch(self) -> int:
+        return int(self.ds_config["train_batch_size"])
+
+    @property
+    def max_steps(self) -> int:
+        return int(self.config.train.max_steps)
+
+    @property
     def labels(self) -> dict[str, Any]:
-        """The group choices that say what the dict trains with (launcher.ds_config.labelled_choices):
+        """The group choices that say what the dict trains with (launcher.config.precision.labelled_choices):
         job.json's "choices", which summary.json, the comparison and W&B's tags read."""
         return labelled_choices(
-            self.hydra.choices, self.ds_config, device=self.device, deepspeed_json=self.deepspeed_json
+            self.hydra.choices, self.ds_config, device=self.device, deepspeed_json=self.config.deepspeed_json
+        )
+
+    def summary(self) -> Summary:
+        """The summary of this job before it has produced anything."""
+        return Summary.planned(
+            world_size=self.world_size,
+            zero_stage=self.zero_stage,
+            precision=self.precision,
+            overrides=self.hydra.overrides,
+            choices=self.labels,
         )
 
     def describe(self) -> str:
@@ -107,165 +177,60 @@ class JobSpec:
         ds = self.ds_config
         ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
         return (
-            f"job: {self.model.get('name')} ({self.method.get('name')}) on {ranks} ({self.device.kind}), "
+            f"job: {self.config.model.name} ({self.config.method.name}) on {ranks} ({self.device.kind}), "
             f"ZeRO {self.zero_stage}, offload {offload_of(ds)}, {self.precision}; batch {ds['train_batch_size']} "
             f"= {ds['train_micro_batch_size_per_gpu']} per rank x {ds.get('gradient_accumulation_steps', 1)} "
             f"accumulated x {ranks}; run dir {self.hydra.run_dir}"
         )
 
-    def with_resume(self, tag: str | None, reshard: dict[str, Any] | None = None) -> JobSpec:
-        return dataclasses.replace(self, resume_tag=tag, reshard=reshard)
+    def replace(self, **changes: Any) -> Job:
+        return dataclasses.replace(self, **changes)
 
+    # ------------------------------------------------------------------ job.json
     def to_json(self) -> dict[str, Any]:
-        """job.json: what the ranks, W&B and the checkpoints read about the job."""
+        """job.json: the job, and (for readers of the file) the facts derived from it."""
         return {
-            "run_dir": str(self.hydra.run_dir),
-            "multirun": self.hydra.multirun,
-            "overrides": list(self.hydra.overrides),
-            "choices": self.labels,
-            "group": self.hydra.group,
+            "version": JOB_VERSION,
+            "hydra": self.hydra.to_json(),
             "world_size": self.world_size,
             "ranks_per_node": self.ranks_per_node,
+            "device": dataclasses.asdict(self.device),
             "hidden_size": self.hidden_size,
-            "device": self.device.kind,
+            "explicit_groups": sorted(self.explicit_groups),
+            "model_path": self.model_path,
+            "launch_id": self.launch_id,
+            "resume": None if self.resume is None else self.resume.to_json(),
+            # Derived, for people and tools reading the file (not read back).
             "precision": self.precision,
             "zero_stage": self.zero_stage,
-            "model": self.model,
-            "method": self.method,
-            "resume_tag": self.resume_tag,
-            "reshard": self.reshard,
+            "max_steps": self.max_steps,
+            "choices": self.labels,
+            "config": plain(self.config),
+            "ds_config": self.ds_config,
         }
 
-
-def plain(cfg: DictConfig) -> dict[str, Any]:
-    """The composed config as plain data: resolved, choices as their strings."""
-    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
-
-
-def world_size_of(cfg: DictConfig) -> int:
-    """Ranks in the job: dist.nproc_per_node x dist.nnodes (the only place this product is taken)."""
-    nproc, nnodes = int(cfg.dist.nproc_per_node), int(cfg.dist.nnodes)
-    if nproc < 1 or nnodes < 1:
-        raise LauncherError(f"dist.nproc_per_node={nproc} x dist.nnodes={nnodes} must be positive")
-    return nproc * nnodes
-
-
-def load_deepspeed_json(path: str) -> dict[str, Any]:
-    """A user's existing DeepSpeed JSON, the base of the composition."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise LauncherError(f"deepspeed_json={path}: no such file")
-    try:
-        base = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise LauncherError(
-            f"deepspeed_json={path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})"
-        ) from None
-    if not isinstance(base, dict):
-        raise LauncherError(f"deepspeed_json={path}: expected a JSON object at the top level")
-    return base
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Job:
+        if data.get("version") != JOB_VERSION:
+            raise ValueError(f"job.json of layout {data.get('version')}, this launcher reads layout {JOB_VERSION}")
+        resume = data.get("resume")
+        return cls(
+            hydra=HydraJob.from_json(data["hydra"]),
+            config=from_plain(data["config"]),
+            ds_config=dict(data["ds_config"]),
+            world_size=int(data["world_size"]),
+            ranks_per_node=int(data["ranks_per_node"]),
+            device=Device(**data["device"]),
+            hidden_size=int(data["hidden_size"]),
+            explicit_groups=frozenset(data["explicit_groups"]),
+            model_path=data.get("model_path"),
+            launch_id=data.get("launch_id"),
+            resume=None if resume is None else Resume.from_json(resume),
+        )
 
 
-def model_hidden_size(model_cfg: Any) -> int:
-    """Hidden size of the language model: a tiny model's config says; a real one's config file does
-    (its `text_config`, shipped with the launcher for the real presets)."""
-    if model_cfg.source == "tiny":
-        return int(model_cfg.hidden_size)
-    if not model_cfg.path:
-        raise LauncherError(f"model.path is empty for model={model_cfg.name}: give a hub id or a local directory")
-    from launcher.job.checks import check_image_text_to_text
-    from launcher.model.models import read_config, text_hidden_size
-
-    config = read_config(str(model_cfg.path))
-    check_image_text_to_text(config, model_cfg.path)
-    try:
-        return text_hidden_size(config)
-    except AttributeError:
-        raise LauncherError(
-            f"model.path={model_cfg.path}: its config has no hidden_size for the language model"
-        ) from None
-
-
-def plan_job(
-    cfg: DictConfig,
-    hydra: HydraJob,
-    *,
-    device: Device | None = None,
-    hidden_size: int | None = None,
-    validate: bool = True,
-) -> JobSpec:
-    """The job spec of a composed config on this machine (or on `device`, when planning for another).
-
-    `validate` also runs the checks that need this machine (NVMe paths) and DeepSpeed's own config
-    models; the planner's what-if variants skip them."""
-    from launcher.job.checks import (
-        check_knobs,
-        check_optimizer_and_scheduler,
-        check_paths,
-        detect_device,
-        validate_with_deepspeed,
-    )
-
-    check_knobs(cfg)
-    world_size = world_size_of(cfg)
-    device = device or detect_device()
-    hidden_size = hidden_size or model_hidden_size(cfg.model)
-    explicit = explicit_groups_from_overrides(list(hydra.overrides))
-    base = load_deepspeed_json(cfg.deepspeed_json) if cfg.deepspeed_json else None
-    job_cfg = plain(cfg)
-    if job_cfg["train"]["max_steps"] is None and job_cfg["train"]["epochs"] is not None:
-        # Planned before the data is counted (the planner, the tuner's candidates; a run counts it first,
-        # launcher.training_length): the schedule's length changes no memory figure, so a stand-in does.
-        job_cfg["train"]["max_steps"] = 1
-    ds = build_ds_config(
-        job_cfg,
-        world_size=world_size,
-        hidden_size=hidden_size,
-        device=device,
-        base=base,
-        base_source=f"deepspeed_json={cfg.deepspeed_json}",
-        explicit_groups=explicit,
-    )
-    if validate:
-        check_paths(ds)
-        validate_with_deepspeed(ds)
-        check_optimizer_and_scheduler(ds)
-    return JobSpec(
-        hydra=hydra,
-        world_size=world_size,
-        ranks_per_node=int(cfg.dist.nproc_per_node),
-        device=device,
-        hidden_size=hidden_size,
-        explicit_groups=explicit,
-        ds_config=ds,
-        model=plain(cfg.model),
-        method=plain(cfg.method),
-        resume_tag=None,
-        deepspeed_json=cfg.deepspeed_json or None,
-    )
-
-
-# ----------------------------------------------------------------------------- what-if variants
-# The groups a variant sets; the user's own choices of these are replaced, every other override kept.
-VARIANT_KEYS = (
-    "deepspeed",
-    "zero",
-    "offload",
-    "precision",
-    "zero.stage",
-    "precision.dtype",
-    "offload.optimizer",
-    "offload.param",
-)
-
-
-def override_key(override: str) -> str:
-    """The key an override sets: `+model.lr@x=1` -> `model.lr`."""
-    return override.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
-
-
-def variant_overrides(overrides: Sequence[str], preset: str, dtype: str) -> list[str]:
-    """The command line of `train.py OVERRIDES` with `deepspeed=PRESET precision=DTYPE` instead of the
-    user's own ZeRO, offload and precision choices."""
-    kept = [o for o in overrides if override_key(o) not in VARIANT_KEYS]
-    return [*kept, f"deepspeed={preset}", f"precision={dtype}"]
+def read_job(run_dir: Path) -> Job:
+    """The job a rank runs: job.json, with the credentials the launcher handed this process (its
+    environment, never a file) put back (launcher.core.credentials)."""
+    data = read_json(RunDir(Path(run_dir)).job)
+    return Job.from_json(credentials.restore(data, credentials.from_environment()))

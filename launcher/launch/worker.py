@@ -1,10 +1,10 @@
-"""Entry point of each rank started by a launcher: `python -m launcher.worker RUN_DIR`.
+"""Entry point of each rank started by a launcher: `python -m launcher.launch.worker RUN_DIR`.
 
-The Hydra job wrote the run directory (config, DeepSpeed dict, job facts) before starting the ranks;
-each rank reads it back, so no rank parses a Hydra command line or makes a directory of its own.
-DeepSpeed's launcher appends `--local_rank=N`; it is accepted and ignored (LOCAL_RANK is set too).
-A failing rank prints nothing: its error is recorded under RUN_DIR/errors/ (by `train`) and the
-launcher shows the first rank's, so the user does not read one traceback per rank.
+The launcher wrote the run directory (job.json: the job, planned) before starting the ranks; each rank
+reads it back, so no rank parses a Hydra command line or makes a directory of its own. DeepSpeed's
+launcher appends `--local_rank=N`; it is accepted and ignored (LOCAL_RANK is set too). A failing rank
+prints nothing: its error is recorded under RUN_DIR/errors/ (by `train`) and the launcher shows the
+first rank's, so the user does not read one traceback per rank.
 """
 
 from __future__ import annotations
@@ -14,10 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
+from launcher.core.children import die_with_parent
 from launcher.core.errors import LauncherError
-from launcher.core.rundir import RunDir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,14 +23,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    from launcher.core.children import die_with_parent
-
     die_with_parent()  # a rank outlives neither the launcher nor torch's launcher that started it
-    cfg = OmegaConf.load(RunDir(args.run_dir).config)
+    from launcher.job.spec import read_job
+    from launcher.train.ops import use_interpreter_ninja
     from launcher.train.trainer import train
 
+    use_interpreter_ninja()  # the ninja that builds DeepSpeed's ops: one for every shell (launcher.train.ops)
     try:
-        train(cfg, args.run_dir)
+        train(read_job(args.run_dir), args.run_dir)
     except LauncherError as err:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise

@@ -26,6 +26,7 @@ from typing import Any
 from torch import nn
 
 from launcher.core.errors import LauncherError
+from launcher.model.components import component_parameter_counts, model_components
 
 ALL_LINEAR = "all-linear"
 COMPONENTS = ("vision", "projector", "language")
@@ -37,8 +38,6 @@ def uses_adapters(method: Any) -> bool:
 
 def component_paths(model: nn.Module) -> dict[str, str]:
     """The module name of each component: {"vision": "model.vision_tower", "projector": ..., "language": ...}."""
-    from launcher.model.models import model_components
-
     names = {id(module): name for name, module in model.named_modules()}
     return {component: names[id(modules[0])] for component, modules in model_components(model).items()}
 
@@ -165,19 +164,11 @@ def apply_method(model: nn.Module, method: Any, model_cfg: Any) -> nn.Module:
 
 
 def check_method(cfg: Any, device_kind: str, *, launching: bool = True) -> None:
-    """Refuse, before any rank starts, a method that cannot run: knobs out of range, or 4-bit loading
-    where bitsandbytes cannot run (not for a dry run, which may plan for another machine)."""
+    """Refuse, before any rank starts, 4-bit loading where bitsandbytes cannot run (not for a dry run,
+    which may plan for another machine). The LoRA knobs' ranges are launcher.config.ranges'."""
     method = cfg.method
     if launching and str(method.name) == "qlora" and (problem := qlora_problem(device_kind)):
         raise LauncherError(f"method=qlora cannot run here: {problem}; use method=lora (the same adapters)")
-    if not uses_adapters(method):
-        return
-    if int(method.r) < 1:
-        raise LauncherError(f"method.r={method.r} must be a positive LoRA rank (8 to 64 are usual)")
-    if not float(method.alpha) > 0:
-        raise LauncherError(f"method.alpha={method.alpha} must be positive (usually 2 x method.r)")
-    if not 0 <= float(method.dropout) < 1:
-        raise LauncherError(f"method.dropout={method.dropout} must lie in [0, 1)")
 
 
 def check_adapter_targets(model: nn.Module, cfg: Any) -> None:
@@ -188,8 +179,6 @@ def check_adapter_targets(model: nn.Module, cfg: Any) -> None:
 
 def parameter_counts(model: nn.Module) -> dict[str, int]:
     """Parameters per component, trainable and total, of a plain or a peft model (adapters included)."""
-    from launcher.model.models import component_parameter_counts
-
     if hasattr(model, "get_base_model"):  # a peft model: its base holds the injected adapters
         model = model.get_base_model()
     return component_parameter_counts(model)

@@ -7,40 +7,76 @@ shapes (hidden sizes, layers, image tokens) are collected into a `ModelStats`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
+from launcher.config.schema import Config
 from launcher.core.errors import LauncherError, one_line
-from launcher.plan.memory import ModelStats, TransformerDims
+from launcher.data.records import read_data
+from launcher.model.components import apply_freeze
+from launcher.model.loading import check_pixel_limits, read_config
+from launcher.model.method import apply_method, parameter_counts, trainable_components, uses_adapters
+from launcher.model.tiny import resolve_model_path
 
 
-def model_dir(cfg: DictConfig) -> str:
-    """The directory or hub id whose config.json describes the model `train.py` would train.
+@dataclass(frozen=True)
+class TransformerDims:
+    """The shapes activations depend on, for one stack of transformer layers."""
 
-    A tiny model is built the way the training path builds it (from the data's vocabulary, cached
-    under cache_dir), so its vocabulary, and with it its parameter count, is the one training uses.
-    """
+    hidden: int
+    layers: int
+    intermediate: int
+    kv_width: int = 0  # key/value width (heads x head dim); 0: as wide as hidden
+    gated: bool = False  # SwiGLU-style MLP (gate, up, down) rather than fc1, act, fc2
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    """What the estimates need to know about a model: counts and shapes, no weights."""
+
+    name: str
+    total: int  # unique parameters (tied weights once)
+    trainable: int
+    components: Mapping[str, int]  # vision / projector / language parameters
+    frozen: tuple[str, ...]  # frozen components
+    largest_layer: int  # the most parameters one module owns directly (DeepSpeed's "largest layer")
+    param_sizes: tuple[int, ...]  # every parameter's element count (stage-3 persistence)
+    text: TransformerDims
+    vocab_size: int
+    vision: TransformerDims
+    vision_tokens: int  # vision-tower tokens per image
+    image_tokens: int  # language-model tokens per image
+    projector_width: int  # elements the projector keeps per language-model image token
+    load_bytes: int = 4  # bytes per parameter of the checkpoint as it is loaded into CPU memory
+    checkpointed: tuple[str, ...] = ()  # components whose layers are checkpointed: language, vision
+    method: str = "full"  # what trains: full, lora, qlora (adapters: `trainable` counts them)
+
+    def persistent(self, threshold: int) -> int:
+        """Parameters stage 3 keeps whole on every rank: those of at most `threshold` elements."""
+        return sum(size for size in self.param_sizes if size <= threshold)
+
+
+def model_dir(cfg: Config) -> str:
+    """The hub id or directory of the model a job trains (launcher.model.tiny.resolve_model_path).
+
+    A tiny model is built here from the data's vocabulary (cached under cache_dir): the launcher builds
+    it once, and the ranks and the memory planner read the same build."""
     model = cfg.model
-    if model.source == "pretrained":
+    if str(model.source) == "pretrained":
         if not model.path:
             raise LauncherError(f"model.path is empty for model={model.name}: give a hub id or a local directory")
-        return str(model.path)
-    from launcher.data.records import read_data
-    from launcher.model.models import resolve_model_path
-
+        return resolve_model_path(model, int(cfg.train.seed), Path(), [])
     cache = Path(cfg.cache_dir).expanduser().absolute()
     loaded = read_data(cfg.data, cache)
     return resolve_model_path(model, int(cfg.train.seed), cache, loaded.train + loaded.eval)
 
 
-def meta_model(cfg: DictConfig, path: str | None = None):
+def meta_model(cfg: Config, path: str | None = None):
     """(config, model): the model `train.py` would train, built on the meta device from its config."""
     import torch
     from transformers import AutoModelForImageTextToText
-
-    from launcher.model.models import read_config
 
     path = path or model_dir(cfg)
     config = read_config(path)
@@ -51,9 +87,8 @@ def meta_model(cfg: DictConfig, path: str | None = None):
         raise LauncherError(f"model.path={path}: not an image-text-to-text model ({one_line(err)})") from None
 
 
-def frozen_meta_model(cfg: DictConfig):
+def frozen_meta_model(cfg: Config):
     """The meta-device model with the freeze flags applied: what a method adapts."""
-    from launcher.model.models import apply_freeze
 
     _, model = meta_model(cfg)
     apply_freeze(
@@ -62,10 +97,8 @@ def frozen_meta_model(cfg: DictConfig):
     return model
 
 
-def model_stats(cfg: DictConfig, *, path: str | None = None) -> ModelStats:
+def model_stats(cfg: Config, *, path: str | None = None) -> ModelStats:
     """Build the model on the meta device from its config and count what the estimates need."""
-    from launcher.model.method import apply_method, parameter_counts, trainable_components, uses_adapters
-    from launcher.model.models import apply_freeze
 
     path = path or model_dir(cfg)
     config, model = meta_model(cfg, path)
@@ -89,7 +122,7 @@ def model_stats(cfg: DictConfig, *, path: str | None = None) -> ModelStats:
         ) from None
 
 
-def _stats(cfg: DictConfig, config, model, counts: dict[str, int], freeze: dict[str, bool]) -> ModelStats:
+def _stats(cfg: Config, config, model, counts: dict[str, int], freeze: dict[str, bool]) -> ModelStats:
     largest = max(sum(p.numel() for p in module.parameters(recurse=False)) for module in model.modules())
     names = [name for name, _ in model.named_modules()]
 
@@ -134,7 +167,7 @@ def _stats(cfg: DictConfig, config, model, counts: dict[str, int], freeze: dict[
         checkpointed=tuple(
             name
             for name, key in (("language", "gradient_checkpointing"), ("vision", "vision_gradient_checkpointing"))
-            if cfg.model.get(key)
+            if getattr(cfg.model, key)
         ),
     )
 
@@ -144,7 +177,7 @@ def _dtype_bytes(dtype: Any) -> int:
     return {"float16": 2, "bfloat16": 2, "half": 2}.get(name, 4)
 
 
-def _image_tokens(cfg: DictConfig, config) -> tuple[int, int, int]:
+def _image_tokens(cfg: Config, config) -> tuple[int, int, int]:
     """(vision-tower tokens, language-model tokens, patch merge) for one image.
 
     LLaVA: (image_size / patch)^2 patches, plus CLIP's class token in the tower; the "default"
@@ -155,13 +188,12 @@ def _image_tokens(cfg: DictConfig, config) -> tuple[int, int, int]:
     brought into [min_pixels, max_pixels] (an unset limit: the processor's own, a tiny model's
     image_size^2 or Qwen2-VL's 56^2 and 28^2 x 1280).
     """
-    from launcher.model.models import check_pixel_limits
 
     vision_config = config.vision_config
     patch = vision_config.patch_size
     merge = getattr(vision_config, "spatial_merge_size", None)
-    tiny = cfg.model.source == "tiny"
-    min_pixels, max_pixels = cfg.model.get("min_pixels"), cfg.model.get("max_pixels")
+    tiny = str(cfg.model.source) == "tiny"
+    min_pixels, max_pixels = cfg.model.min_pixels, cfg.model.max_pixels
     check_pixel_limits(config, min_pixels=min_pixels, max_pixels=max_pixels, tiny=tiny)
     if merge:
         side = cfg.plan.image_size or (cfg.model.image_size if tiny else 448)
@@ -187,7 +219,7 @@ def _image_tokens(cfg: DictConfig, config) -> tuple[int, int, int]:
     return patches + cls, patches + (cls if strategy == "full" else 0), 1
 
 
-def sequence(cfg: DictConfig, stats: ModelStats) -> tuple[int, int]:
+def sequence(cfg: Config, stats: ModelStats) -> tuple[int, int]:
     """(language-model tokens per sample, images per sample).
 
     plan.seq_len when set; else data.max_length when set: a batch is padded to its longest sample and
@@ -200,21 +232,21 @@ def sequence(cfg: DictConfig, stats: ModelStats) -> tuple[int, int]:
     images = int(plan.images_per_sample)
     if plan.seq_len:
         return int(plan.seq_len), images
-    longest = cfg.data.get("max_length")
+    longest = cfg.data.max_length
     if planned_at_max_length(cfg):
         return int(longest), images
-    text = plan.text_tokens or (32 if cfg.model.source == "tiny" else 512)
+    text = plan.text_tokens or (32 if str(cfg.model.source) == "tiny" else 512)
     typical = int(text) + images * stats.image_tokens
     return (typical if longest is None else min(typical, int(longest))), images
 
 
-def planned_at_max_length(cfg: DictConfig) -> bool:
+def planned_at_max_length(cfg: Config) -> bool:
     """Whether `sequence` plans data.max_length tokens per sample (neither plan.seq_len nor
     plan.text_tokens given, and a limit set)."""
-    return not cfg.plan.seq_len and not cfg.plan.text_tokens and cfg.data.get("max_length") is not None
+    return not cfg.plan.seq_len and not cfg.plan.text_tokens and cfg.data.max_length is not None
 
 
-def fewest_image_tokens(cfg: DictConfig) -> tuple[int, str] | None:
+def fewest_image_tokens(cfg: Config) -> tuple[int, str] | None:
     """(the fewest language-model tokens one image takes with this model, what decides it); None when
     the model's config cannot be read here (training says why).
 
@@ -222,11 +254,10 @@ def fewest_image_tokens(cfg: DictConfig) -> tuple[int, str] | None:
     model.min_pixels (default the processor's 56 x 56). A tiny model: from model.image_size, read from
     the config group (nothing is built)."""
     model = cfg.model
-    if model.source == "tiny":
+    if str(model.source) == "tiny":
         side = int(model.image_size) // int(model.patch_size)
         merged = 4 if str(model.arch) == "tiny_qwen2_vl" else 1
         return side * side // merged, f"{model.arch} at model.image_size={model.image_size}"
-    from launcher.model.models import read_config
 
     try:
         config = read_config(str(model.path))
@@ -239,6 +270,6 @@ def fewest_image_tokens(cfg: DictConfig) -> tuple[int, str] | None:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
     unit = vision_config.patch_size * merge
-    low = int(model.get("min_pixels") or 56 * 56)
+    low = int(model.min_pixels or 56 * 56)
     height, width = smart_resize(unit, unit, factor=unit, min_pixels=low, max_pixels=max(low, 28 * 28 * 1280))
     return (height // unit) * (width // unit), f"{config.model_type}, an image of model.min_pixels={low}"

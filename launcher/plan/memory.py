@@ -11,8 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from launcher.config.ds_config import fastest_precisions, precision_of
+from launcher.config.precision import fastest_precisions, precision_of
 from launcher.core.errors import LauncherError
+from launcher.model.stats import ModelStats
 
 GiB = 2**30
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -196,43 +197,6 @@ def model_state_bytes(total: int, trainable: int, layout: Layout, *, persistent:
         else:
             on_cpu += partitions
     return ModelStates(params, grads, master, optimizer, on_cpu, on_nvme)
-
-
-@dataclass(frozen=True)
-class TransformerDims:
-    """The shapes activations depend on, for one stack of transformer layers."""
-
-    hidden: int
-    layers: int
-    intermediate: int
-    kv_width: int = 0  # key/value width (heads x head dim); 0: as wide as hidden
-    gated: bool = False  # SwiGLU-style MLP (gate, up, down) rather than fc1, act, fc2
-
-
-@dataclass(frozen=True)
-class ModelStats:
-    """What the estimates need to know about a model: counts and shapes, no weights."""
-
-    name: str
-    total: int  # unique parameters (tied weights once)
-    trainable: int
-    components: Mapping[str, int]  # vision / projector / language parameters
-    frozen: tuple[str, ...]  # frozen components
-    largest_layer: int  # the most parameters one module owns directly (DeepSpeed's "largest layer")
-    param_sizes: tuple[int, ...]  # every parameter's element count (stage-3 persistence)
-    text: TransformerDims
-    vocab_size: int
-    vision: TransformerDims
-    vision_tokens: int  # vision-tower tokens per image
-    image_tokens: int  # language-model tokens per image
-    projector_width: int  # elements the projector keeps per language-model image token
-    load_bytes: int = 4  # bytes per parameter of the checkpoint as it is loaded into CPU memory
-    checkpointed: tuple[str, ...] = ()  # components whose layers are checkpointed: language, vision
-    method: str = "full"  # what trains: full, lora, qlora (adapters: `trainable` counts them)
-
-    def persistent(self, threshold: int) -> int:
-        """Parameters stage 3 keeps whole on every rank: those of at most `threshold` elements."""
-        return sum(size for size in self.param_sizes if size <= threshold)
 
 
 def activation_bytes(stats: ModelStats, layout: Layout, *, seq_len: int, images: int) -> int:

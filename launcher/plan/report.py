@@ -20,11 +20,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from omegaconf import DictConfig
-
-from launcher.config.ds_config import fastest_precisions
+from launcher.config.compose import compose
+from launcher.config.precision import Device, fastest_precisions
+from launcher.config.ranges import check_config
+from launcher.config.schema import Config, PlanConfig, typed
 from launcher.core.errors import LauncherError, one_line
-from launcher.job.spec import HydraJob, JobSpec, plan_job, variant_overrides, world_size_of
+from launcher.job.checks import detect_device
+from launcher.job.planning import plan_job, variant_overrides, world_size_of
+from launcher.job.spec import HydraJob, Job
 from launcher.model.stats import ModelStats, model_stats, planned_at_max_length, sequence
 from launcher.plan.memory import (
     PRESETS,
@@ -40,11 +43,9 @@ from launcher.plan.memory import (
 
 
 # ================================================================================ the machine
-def target_device(plan: DictConfig) -> Target:
+def target_device(plan: PlanConfig) -> Target:
     """The device planned for: plan.gpu_memory_gb, else the detected accelerator's memory (a CPU: RAM)."""
     import psutil
-
-    from launcher.job.checks import detect_device
 
     device = detect_device()
     ram = int(psutil.virtual_memory().total)
@@ -73,28 +74,23 @@ def target_device(plan: DictConfig) -> Target:
         device_bytes = int(get_accelerator().total_memory())
     if plan.precisions:  # an enum list: the schema refused anything else at compose time
         precisions = tuple(p for p in fastest_precisions(kind) if p in plan.precisions)
-    if not 0 <= plan.headroom < 1:
-        raise LauncherError(f"plan.headroom={plan.headroom} must be a fraction in [0, 1)")
     return Target(kind, device_bytes, cpu_bytes, precisions, float(plan.headroom), source)
 
 
 # ================================================================================ configurations
-def variant_spec(
-    cfg: DictConfig, overrides: Sequence[str], preset: str, dtype: str, target: Target, hidden: int
-) -> JobSpec:
+def variant_spec(cfg: Config, overrides: Sequence[str], preset: str, dtype: str, target: Target, hidden: int) -> Job:
     """The job `train.py OVERRIDES deepspeed=PRESET precision=DTYPE` would run, on the target device."""
-    from launcher.config.ds_config import Device
 
     variant_args = variant_overrides(overrides, preset, dtype)
     if "nvme" in PRESETS[preset][1:] and not cfg.offload.nvme_path:
         variant_args.append("offload.nvme_path=/local_nvme")  # only the estimate needs a path: not checked here
     hydra = HydraJob(run_dir=Path("."), overrides=tuple(variant_args))
     device = Device(kind=target.kind, bf16=True, fp16=target.kind != "cpu")
-    return plan_job(compose(variant_args), hydra, device=device, hidden_size=hidden, validate=False)
+    return plan_job(typed(compose(variant_args)), hydra, device=device, hidden_size=hidden, validate=False)
 
 
 def plan_rows(
-    cfg: DictConfig,
+    cfg: Config,
     overrides: Sequence[str],
     stats: ModelStats,
     target: Target,
@@ -157,7 +153,7 @@ def deepspeed_reference(stats: ModelStats, layout: Layout) -> tuple[int, int] | 
 
 
 # ================================================================================ preflight
-def preflight(cfg: DictConfig, spec: JobSpec) -> str | None:
+def preflight(cfg: Config, spec: Job) -> str | None:
     """One line when the job's configuration is not expected to fit its device, else None.
 
     Estimates the given DeepSpeed dict only (and, when it does not fit, the presets at the same
@@ -236,7 +232,7 @@ def format_table(rows: Sequence[Row], stats: ModelStats, *, markdown: bool = Fal
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table)
 
 
-def report(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
+def report(cfg: Config, overrides: Sequence[str] = ()) -> str:
     """The planner's whole output for a composed config: model, assumptions, table, recommendation."""
     stats = model_stats(cfg)
     target = target_device(cfg.plan)
@@ -281,22 +277,6 @@ def report(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
     return "\n".join(lines)
 
 
-def compose(overrides: Sequence[str]) -> DictConfig:
-    """The config `python train.py OVERRIDES` would run with."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from launcher.config.schema import register_configs
-    from launcher.job.resume import CONF_DIR
-
-    register_configs()
-    if GlobalHydra.instance().is_initialized():
-        return hydra_compose(config_name="config", overrides=list(overrides))
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=list(overrides))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     overrides = list(sys.argv[1:] if argv is None else argv)
     if any(arg in ("-h", "--help") for arg in overrides):
@@ -306,11 +286,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        cfg = compose(overrides)
+        cfg = typed(compose(overrides))
     except (HydraException, OmegaConfBaseException) as err:
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 1
     try:
+        check_config(cfg)
         print(report(cfg, overrides))
     except LauncherError as err:
         print(f"error: {one_line(err)}", file=sys.stderr)

@@ -1,14 +1,8 @@
-"""Weights & Biases logging for the training job: rank 0 only, never fatal.
+"""One W&B run per training job: rank 0 only, never fatal.
 
-What lives here and why:
-
-- `resolve_mode` decides online / offline / disabled without touching the network, so a job on a
-  machine without credentials or without internet never prompts and never hangs.
-- `redact`, `run_name`, `tags_from_choices` turn the Hydra job into what W&B shows: a secret-free
-  config, a readable run name from the overrides, and one tag per config-group choice (filterable in
-  the W&B UI, e.g. ``zero=stage3``).
 - `WandbRun` wraps one W&B run. Its methods swallow W&B problems (a warning, then it disables
-  itself): losing the dashboard is never a reason to lose a training run.
+  itself): losing the dashboard is never a reason to lose a training run. What it logs is redacted
+  (launcher.core.credentials); its mode, name and tags come from launcher.tracking.naming.
 
 How runs are laid out:
 
@@ -35,7 +29,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import netrc
 import os
 import re
 import secrets
@@ -46,193 +39,26 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
+from launcher.config.schema import plain
+from launcher.core.credentials import redact, redact_override
+from launcher.core.errors import one_line
 from launcher.core.logs import FILE_ONLY
+from launcher.core.rundir import RunDir
+from launcher.job.spec import Job
+from launcher.tracking.naming import has_credentials, resolve_mode, run_name, tags_from_choices
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "online", "offline", "disabled")
+
 STEP_METRIC = "trainer/step"
+
+
 METRIC_NAMESPACES = ("train", "eval", "perf", "mem")
-RUN_ID_FILE = "wandb_run_id"
-REDACTED = "<redacted>"
+
+
 DEFAULT_INIT_TIMEOUT_S = 30.0
 
-# Hosts whose ~/.netrc entry means "logged in". W&B 0.31 defaults to the CoreWeave Forge endpoint,
-# which accepts the same keys as api.wandb.ai; WANDB_BASE_URL adds a self-hosted server.
-_KNOWN_HOSTS = ("api.wandb.ai", "api.forge.coreweave.com")
-_TRUE = {"1", "true", "yes", "on"}
-_ENV_MODE_ALIASES = {"online": "online", "run": "online", "offline": "offline", "dryrun": "offline"}
-
-
-# --------------------------------------------------------------------------------------------------
-# Mode and credentials (pure / no network)
-
-
-def resolve_mode(requested: str, env: Mapping[str, str], has_credentials: bool) -> str:
-    """Return the W&B mode to use: "online", "offline" or "disabled".
-
-    "auto" defers to W&B's own variables (WANDB_MODE, WANDB_DISABLED) and otherwise goes online only
-    when credentials exist, so a machine that is not logged in logs offline instead of prompting.
-    An explicit "online"/"offline" wins over WANDB_MODE, except that the environment asking to
-    disable W&B (WANDB_MODE=disabled or WANDB_DISABLED=true) always wins: turning logging off is
-    never harmful, and it is how CI and tests mute W&B.
-    """
-    if requested not in MODES:
-        raise ValueError(f"wandb mode {requested!r} is not one of {', '.join(MODES)}")
-    env_mode = env.get("WANDB_MODE", "").strip().lower()
-    if env_mode == "disabled" or env.get("WANDB_DISABLED", "").strip().lower() in _TRUE:
-        return "disabled"
-    if requested != "auto":
-        return requested
-    if env_mode in _ENV_MODE_ALIASES:
-        return _ENV_MODE_ALIASES[env_mode]
-    return "online" if has_credentials else "offline"
-
-
-def has_credentials(env: Mapping[str, str] | None = None) -> bool:
-    """True when W&B would find an API key without asking: WANDB_API_KEY, or a netrc entry.
-
-    Reads the environment and the netrc file named by NETRC (default ~/.netrc) only; no network.
-    """
-    env = os.environ if env is None else env
-    if env.get("WANDB_API_KEY", "").strip():
-        return True
-    path = Path(env.get("NETRC") or Path.home() / ".netrc").expanduser()
-    try:
-        entries = netrc.netrc(str(path))
-    except (OSError, netrc.NetrcParseError):
-        return False
-    hosts = list(_KNOWN_HOSTS)
-    base_url = env.get("WANDB_BASE_URL", "").strip()
-    if base_url:
-        hosts.insert(0, urlsplit(base_url).netloc or base_url)
-    for host in hosts:
-        auth = entries.authenticators(host)
-        if auth and auth[2]:
-            return True
-    return False
-
-
-# --------------------------------------------------------------------------------------------------
-# Redaction, names, tags
-
-# Keys whose values are secrets. Matching is on the lower-cased key. "token" alone is too broad
-# (pad_token_id, max_tokens, tokens_per_sec are config, not secrets), so token keys are matched by
-# suffix and the tokenizer's special tokens are excused.
-_SECRET_WORDS = ("password", "passwd", "secret", "apikey", "api_key", "private_key", "credential")
-_SECRET_KEY_PREFIXES = ("api", "wandb", "access", "private", "secret", "hf", "auth", "openai", "ssh")
-_SPECIAL_TOKEN_KEYS = re.compile(
-    r"^(pad|bos|eos|unk|sep|cls|mask|image|video|audio|boi|eoi|boa|eoa|start|end|additional_special)"
-    r"_token$"
-)
-# Values that look like credentials whatever their key (HF, GitHub, OpenAI-style, W&B v1 keys).
-_SECRET_VALUE = re.compile(r"^(hf_[A-Za-z0-9]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|wandb_v1_\S+)$")
-
-
-def is_secret_key(key: object) -> bool:
-    """True when a config key names a secret (api_key, hf_token, wandb_key, password, ...)."""
-    k = str(key).strip().lower().replace("-", "_").rsplit(".", 1)[-1]
-    if any(word in k for word in _SECRET_WORDS):
-        return True
-    if k == "token" or (k.endswith("token") and not _SPECIAL_TOKEN_KEYS.match(k)):
-        return True
-    if k.endswith("_key"):
-        return k[: -len("_key")].rsplit("_", 1)[-1] in _SECRET_KEY_PREFIXES
-    return k in {"key", "auth", "authorization"}
-
-
-def redact(obj: Any) -> Any:
-    """Return a copy of a nested config with secret values replaced by "<redacted>".
-
-    Secrets are recognised by key (see `is_secret_key`) and by the shape of string values (HF,
-    GitHub, OpenAI-style tokens); override-like strings (``hf_token=abc``) keep only their key. So
-    secrets never reach the logged config, the run summary or the saved files.
-    """
-    if isinstance(obj, Mapping):
-        return {k: REDACTED if is_secret_key(k) and v is not None else redact(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [redact(v) for v in obj]
-    if isinstance(obj, str):
-        if _SECRET_VALUE.match(obj.strip()):
-            return REDACTED
-        # Override-like strings ("hf_token=abc", e.g. in a list of Hydra overrides).
-        return redact_override(obj) if "=" in obj else obj
-    return obj
-
-
-def redact_override(override: str) -> str:
-    """Redact the value of one Hydra override string (``hf_token=abc`` -> ``hf_token=<redacted>``)."""
-    key, sep, value = override.partition("=")
-    if not sep:
-        return override
-    if is_secret_key(key.lstrip("+~")) or _SECRET_VALUE.match(value.strip()):
-        return f"{key}={REDACTED}"
-    return override
-
-
-# Overrides that say nothing about the experiment: Hydra's own settings, paths and W&B settings.
-_NOISY_OVERRIDE_ROOTS = ("hydra", "paths", "wandb", "logger")
-_NOISY_OVERRIDE_WORDS = ("dir", "path", "file", "root", "url")
-_MAX_NAME_LEN = 128
-_MAX_TAG_LEN = 64
-
-
-def _override_key(override: str) -> str:
-    return override.partition("=")[0].lstrip("+~").strip()
-
-
-def _is_noisy_override(key: str) -> bool:
-    parts = re.split(r"[./]", key)
-    if parts[0] in _NOISY_OVERRIDE_ROOTS:
-        return True
-    last = parts[-1].lower()
-    return is_secret_key(last) or any(word in last for word in _NOISY_OVERRIDE_WORDS)
-
-
-def experiment_overrides(overrides: Sequence[str]) -> list[str]:
-    """The overrides that describe the experiment, as ``key=value`` without Hydra's +/++/~ prefixes.
-
-    Hydra settings (hydra.*), paths, W&B settings and secrets are left out: they differ between
-    runs without changing what is measured, or must not be shown.
-    """
-    return [o.lstrip("+~").strip() for o in overrides if "=" in o and not _is_noisy_override(_override_key(o))]
-
-
-def run_name(overrides: Sequence[str]) -> str:
-    """A readable run name from Hydra overrides: ``deepspeed=z3_offload,precision=bf16``.
-
-    Sorted so the same configuration always gets the same name; see `experiment_overrides` for
-    what is left out. No overrides gives "default".
-    """
-    name = ",".join(sorted(experiment_overrides(overrides))) or "default"
-    return name if len(name) <= _MAX_NAME_LEN else name[: _MAX_NAME_LEN - 3] + "..."
-
-
-# The groups that decide speed and memory come first, in the order a person reads a configuration.
-GROUP_ORDER = ("deepspeed", "zero", "offload", "precision", "comm", "model", "data")
-
-
-def tags_from_choices(choices: Mapping[str, Any]) -> list[str]:
-    """One ``group=choice`` tag per selected config group (Hydra's runtime choices).
-
-    Hydra's own groups (``hydra/...``) and unselected groups are skipped; the DeepSpeed preset is
-    included when one was used.
-    """
-    keys = [k for k in GROUP_ORDER if k in choices]
-    keys += sorted(k for k in choices if k not in GROUP_ORDER)
-    tags = []
-    for key in keys:
-        value = choices[key]
-        if value is None or str(key).startswith("hydra"):
-            continue
-        tags.append(f"{key}={value}"[:_MAX_TAG_LEN])
-    return tags
-
-
-# --------------------------------------------------------------------------------------------------
-# Provenance helpers (never raise)
 
 _VERSIONED_PACKAGES = (
     "torch",
@@ -282,7 +108,7 @@ def git_commit(repo_dir: Path | str | None = None) -> str | None:
 def read_run_id(run_dir: Path | str) -> str | None:
     """The W&B run id stored in run_dir by an earlier start, or None."""
     try:
-        text = (Path(run_dir) / RUN_ID_FILE).read_text().strip()
+        text = RunDir(Path(run_dir)).wandb_run_id.read_text().strip()
     except OSError:
         return None
     return text or None
@@ -291,11 +117,6 @@ def read_run_id(run_dir: Path | str) -> str | None:
 def _new_run_id() -> str:
     alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
     return "".join(secrets.choice(alphabet) for _ in range(8))
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
 @contextmanager
@@ -307,49 +128,6 @@ def _redacted_argv() -> Iterator[None]:
         yield
     finally:
         sys.argv = saved
-
-
-# --------------------------------------------------------------------------------------------------
-# The run
-
-
-class HistoryWindow:
-    """Which steps W&B's history gets, and what: a row at step 1, every `every` steps, on evaluation
-    steps and when flushed at the end. Each row holds the mean over the steps since the previous row
-    of the per-step quantities (loss, gradient norm, throughput, step time, CPU time) and the latest
-    value of the rest (learning rate, peak memory, cumulative counts). metrics.jsonl keeps every step.
-
-    Why not every step: one W&B log call cost ~1 ms of a rank's CPU (under cProfile) and more in W&B's
-    service process, several % of a small model's step (BENCHMARKS.md, launcher overhead); the mean
-    over the window also shows the trend with less noise, as the HF Trainer's logging_steps does."""
-
-    MEAN_PREFIXES = ("train/loss", "train/grad_norm", "perf/")
-
-    def __init__(self, every: int) -> None:
-        self.every = max(1, int(every))
-        self.step: int | None = None  # the step a row logged now is logged at
-        self._rows: list[Mapping[str, Any]] = []
-
-    def add(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any] | None:
-        """Take one step's metrics; the row to log at this step, or None."""
-        self._rows.append(metrics)
-        self.step = step
-        if step == 1 or step % self.every == 0 or any(key.startswith("eval/") for key in metrics):
-            return self.flush()
-        return None
-
-    def flush(self) -> dict[str, Any] | None:
-        """The row of the steps taken since the last row (None when there are none)."""
-        rows, self._rows = self._rows, []
-        if not rows:
-            return None
-        keys = dict.fromkeys(key for row in rows for key in row)
-        merged: dict[str, Any] = {}
-        for key in keys:
-            values = [row[key] for row in rows if key in row]
-            mean = key.startswith(self.MEAN_PREFIXES) and all(isinstance(v, int | float) for v in values)
-            merged[key] = sum(values) / len(values) if mean else values[-1]
-        return merged
 
 
 class WandbRun:
@@ -409,7 +187,7 @@ class WandbRun:
         try:
             import wandb
         except Exception as exc:
-            log.warning("W&B logging disabled: cannot import wandb (%s)", _one_line(exc))
+            log.warning("W&B logging disabled: cannot import wandb (%s)", one_line(exc, named=True))
             return cls(None, run_dir, "disabled")
 
         kwargs = {
@@ -424,7 +202,7 @@ class WandbRun:
             kwargs["config"] = redact(dict(config or {}))
             return cls._start(wandb, run_dir, mode, resume_id, init_timeout_s, init_kwargs=kwargs)
         except Exception as exc:
-            log.warning("W&B logging disabled: %s", _one_line(exc))
+            log.warning("W&B logging disabled: %s", one_line(exc, named=True))
             return cls(None, run_dir, "disabled")
 
     @classmethod
@@ -465,7 +243,7 @@ class WandbRun:
         else:
             log.info("W&B %s run %s started in %.1f s", mode, run.id, seconds, extra=FILE_ONLY)
         try:
-            (run_dir / RUN_ID_FILE).write_text(f"{run.id}\n")
+            RunDir(run_dir).wandb_run_id.write_text(f"{run.id}\n")
             run.define_metric(STEP_METRIC)
             for namespace in METRIC_NAMESPACES:
                 run.define_metric(f"{namespace}/*", step_metric=STEP_METRIC)
@@ -485,15 +263,15 @@ class WandbRun:
                 return wandb.init(mode=mode, settings=settings, **init_kwargs)
         except Exception as exc:
             fallback = "logging offline instead" if mode == "online" else "W&B logging disabled"
-            log.warning("W&B %s init failed (%s); %s", mode, _one_line(exc), fallback)
+            log.warning("W&B %s init failed (%s); %s", mode, one_line(exc, named=True), fallback)
             return None
 
     def _save_job_files(self) -> None:
         """Attach redacted copies of the DeepSpeed dict and the resolved Hydra config to the run."""
         files_dir = Path(self._run.dir)
         copies = {
-            "ds_config.json": self.run_dir / "ds_config.json",
-            "hydra_config.yaml": self.run_dir / ".hydra" / "config.yaml",
+            "ds_config.json": RunDir(self.run_dir).ds_config,
+            "hydra_config.yaml": RunDir(self.run_dir).config,
         }
         for name, src in copies.items():
             if not src.is_file():
@@ -507,14 +285,14 @@ class WandbRun:
                     text = yaml.safe_dump(redact(yaml.safe_load(src.read_text())), sort_keys=False)
             except Exception as exc:
                 # An unreadable file is not copied raw: it could hold a secret.
-                log.warning("W&B: not saving %s (%s)", src, _one_line(exc))
+                log.warning("W&B: not saving %s (%s)", src, one_line(exc, named=True))
                 continue
             dst = files_dir / name
             dst.write_text(text)
             self._run.save(str(dst), base_path=str(files_dir), policy="now")
 
     def _disable(self, doing: str, exc: BaseException) -> None:
-        log.warning("W&B logging disabled after an error while %s: %s", doing, _one_line(exc))
+        log.warning("W&B logging disabled after an error while %s: %s", doing, one_line(exc, named=True))
         run, self._run = self._run, None
         if run is not None:
             with suppress(Exception):
@@ -565,7 +343,7 @@ class WandbRun:
             run.summary.update(figures)
             run.finish(exit_code=exit_code)
         except Exception as exc:
-            log.warning("W&B finish failed: %s", _one_line(exc))
+            log.warning("W&B finish failed: %s", one_line(exc, named=True))
             return
         if hint and self.mode == "offline" and self.sync_dir is not None:
             print(self.sync_hint(), flush=True)
@@ -590,57 +368,47 @@ class WandbRun:
         return f"W&B offline run {self.run_id}: upload with `wandb sync {target}`"
 
 
-# --------------------------------------------------------------------------------------------------
-# The job's run
-
-
-def job_config(cfg: Mapping[str, Any], job: Mapping[str, Any], ds_config: Mapping[str, Any]) -> dict[str, Any]:
-    """The config W&B records for a job: the resolved Hydra config plus what the job derived.
+def job_config(job: Job) -> dict[str, Any]:
+    """The config W&B records for a job: the resolved config plus what the launcher derived.
 
     The final DeepSpeed dict is nested under "deepspeed" (so runs group by
-    deepspeed.zero_optimization.stage); the preset's name stays in the tags and summary.
-    """
+    deepspeed.zero_optimization.stage); the preset's name stays in the tags and summary."""
+    ds_config = job.ds_config
     return {
-        **cfg,
+        **plain(job.config),
         "deepspeed": dict(ds_config),
-        "world_size": job.get("world_size"),
+        "world_size": job.world_size,
         "effective_batch": {
             "train_batch_size": ds_config.get("train_batch_size"),
             "micro_batch_per_gpu": ds_config.get("train_micro_batch_size_per_gpu"),
             "gradient_accumulation_steps": ds_config.get("gradient_accumulation_steps"),
         },
-        "job": {k: job.get(k) for k in ("hidden_size", "device", "multirun", "overrides", "choices")},
+        "job": {
+            "hidden_size": job.hidden_size,
+            "device": job.device.kind,
+            "multirun": job.hydra.multirun,
+            "overrides": list(job.hydra.overrides),
+            "choices": job.labels,
+        },
         "versions": library_versions(),
         "git_commit": git_commit(),
     }
 
 
-def start_for_job(
-    *,
-    cfg: Mapping[str, Any],
-    run_dir: Path | str,
-    job: Mapping[str, Any],
-    ds_config: Mapping[str, Any],
-    summary: Mapping[str, Any] | None = None,
-    resume_id: str | None = None,
-) -> WandbRun | None:
-    """Start the W&B run of a training job on rank 0; None when W&B ends up disabled.
-
-    cfg is the resolved Hydra config as a plain dict (its "logger" node gives project, entity and
-    mode); job is the launcher's job.json (group, overrides, choices, world_size). summary is
-    accepted for symmetry with `WandbRun.finish` and not logged at start.
-    """
-    logger_cfg = dict(cfg.get("logger") or {})
-    mode = resolve_mode(str(logger_cfg.get("mode") or "auto"), os.environ, has_credentials())
+def start_for_job(job: Job, *, resume_id: str | None = None) -> WandbRun | None:
+    """Start (or, with `resume_id`, continue) the W&B run of a training job on rank 0; None when W&B
+    ends up disabled. Its project, entity, mode and tags come from the job's logger config."""
+    logger = job.config.logger
+    mode = resolve_mode(str(logger.mode), os.environ, has_credentials())
     run = WandbRun.start(
-        run_dir,
-        project=str(logger_cfg.get("project") or "vlm-ds-launcher"),
-        entity=logger_cfg.get("entity"),
+        job.run_dir,
+        project=str(logger.project or "vlm-ds-launcher"),
+        entity=logger.entity,
         mode=mode,
-        group=job.get("group"),
-        name=run_name(job.get("overrides") or []),
-        tags=[*tags_from_choices(job.get("choices") or {}), *(logger_cfg.get("tags") or [])],
-        config=job_config(cfg, job, ds_config),
+        group=job.hydra.group,
+        name=run_name(job.hydra.overrides),
+        tags=[*tags_from_choices(job.labels), *logger.tags],
+        config=job_config(job),
         resume_id=resume_id,
     )
     return run if run.enabled else None

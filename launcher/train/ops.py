@@ -34,12 +34,12 @@ _prepared = False
 
 
 def prepare_ops() -> None:
-    """Call before `deepspeed.init_distributed`: one ninja, no shared-memory comm op, builds announced."""
+    """Call before `deepspeed.init_distributed`: no shared-memory comm op, builds announced. The ninja that
+    builds them is the interpreter's: a rank's PATH has its bin directory first (`interpreter_path`)."""
     global _prepared
     if _prepared:
         return
     _prepared = True
-    use_interpreter_ninja()
     import deepspeed.ops
     from deepspeed.ops.op_builder.builder import OpBuilder
 
@@ -64,12 +64,18 @@ def prepare_ops() -> None:
     OpBuilder.jit_load = announced_jit_load
 
 
-def use_interpreter_ninja() -> None:
-    """Put the interpreter's bin directory (a venv's, with pip's ninja) first on PATH, as `activate` does."""
+def interpreter_path(path: str) -> str:
+    """PATH with the interpreter's bin directory (a venv's, with pip's ninja) first, as `activate` puts it."""
     bin_dir = str(Path(sys.executable).parent)
-    parts = os.environ.get("PATH", "").split(os.pathsep)
-    if (Path(bin_dir) / "ninja").exists() and parts[:1] != [bin_dir]:
-        os.environ["PATH"] = os.pathsep.join([bin_dir, *(part for part in parts if part != bin_dir)])
+    parts = path.split(os.pathsep)
+    if not (Path(bin_dir) / "ninja").exists() or parts[:1] == [bin_dir]:
+        return path
+    return os.pathsep.join([bin_dir, *(part for part in parts if part != bin_dir)])
+
+
+def use_interpreter_ninja() -> None:
+    """This process's PATH as `interpreter_path` makes it: for the entry points of ranks (their `main`)."""
+    os.environ["PATH"] = interpreter_path(os.environ.get("PATH", ""))
 
 
 def extensions_dir() -> Path:

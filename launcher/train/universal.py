@@ -27,7 +27,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from launcher.job.reshard import UNIVERSAL_DIR
+from launcher.core.rundir import RunDir
 
 DONE_FILE = "universal_complete.json"
 # Test hook: the launcher kills itself (SIGKILL) half-way through a conversion.
@@ -37,20 +37,16 @@ _ZERO3_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def universal_path(checkpoints: Path, tag: str) -> Path:
-    return checkpoints / UNIVERSAL_DIR / tag
-
-
 def is_universal(folder: Path) -> bool:
     return (folder / DONE_FILE).is_file()
 
 
-def ensure_universal(checkpoints: Path, tag: str, saved_stage: int, param_names: list[str] | None) -> Path:
+def ensure_universal(run_dir: RunDir, tag: str, saved_stage: int, param_names: list[str] | None) -> Path:
     """The universal copy of checkpoint `tag` (made now unless a complete one exists); returns its folder.
 
     `param_names`: the trainable parameters in the order the optimizer holds them (recorded at save;
     what a ZeRO-0 checkpoint's optimizer state is indexed by)."""
-    out = universal_path(checkpoints, tag)
+    out = run_dir.universal(tag)
     if is_universal(out):
         return out
     partial = out.parent / f".{tag}.partial"
@@ -59,14 +55,16 @@ def ensure_universal(checkpoints: Path, tag: str, saved_stage: int, param_names:
     started = time.time()
     if saved_stage == 0:
         if not param_names:
-            raise ValueError(f"{checkpoints / tag}: no parameter names recorded; cannot convert a ZeRO-0 checkpoint")
-        _from_stage0(checkpoints / tag, partial, param_names)
+            raise ValueError(
+                f"{run_dir.checkpoint(tag)}: no parameter names recorded; cannot convert a ZeRO-0 checkpoint"
+            )
+        _from_stage0(run_dir.checkpoint(tag), partial, param_names)
     else:
-        _from_zero(checkpoints / tag, partial)
+        _from_zero(run_dir.checkpoint(tag), partial)
     if os.environ.get(KILL_CONVERSION_ENV):
         os.kill(os.getpid(), signal.SIGKILL)
     _normalise(partial)
-    done = {"source": str(checkpoints / tag), "source_zero_stage": saved_stage, "seconds": time.time() - started}
+    done = {"source": str(run_dir.checkpoint(tag)), "source_zero_stage": saved_stage, "seconds": time.time() - started}
     (partial / DONE_FILE).write_text(json.dumps(done))
     shutil.rmtree(out, ignore_errors=True)  # a folder there without the completion file (made by hand?)
     os.replace(partial, out)

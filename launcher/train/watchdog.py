@@ -27,7 +27,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from launcher.core.errors import ERRORS_DIR, IN_STEP_SUFFIX, LauncherError, TrainingFailed, record_rank_error
+from launcher.core.errors import TrainingFailed
+from launcher.core.rank_errors import record_rank_error
+from launcher.core.rundir import RunDir
 
 
 class StepWatchdog:
@@ -43,11 +45,7 @@ class StepWatchdog:
     def __init__(
         self, run_dir: Path, rank: int, timeout_s: float | None, *, launch: str | None = None, announce: bool = False
     ) -> None:
-        if timeout_s is not None and timeout_s < 0:
-            raise LauncherError(
-                f"dist.step_timeout_s={timeout_s} must be a number of seconds, or 0/null to turn the watchdog off"
-            )
-        self.run_dir, self.rank, self.launch = Path(run_dir), rank, launch
+        self.run_dir, self.rank, self.launch = RunDir(Path(run_dir)), rank, launch
         # Print the line too: under SLURM each task is its own launcher, and none is left to read errors/.
         self.announce = announce
         self.timeout_s = float(timeout_s or 0)
@@ -55,7 +53,7 @@ class StepWatchdog:
         self._armed: tuple[int, float] | None = None  # (step, monotonic deadline) while a step runs
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
-        self._in_step = self.run_dir / ERRORS_DIR / f"rank{rank}{IN_STEP_SUFFIX}"
+        self._in_step = self.run_dir.in_step(rank)
         self._in_step.parent.mkdir(parents=True, exist_ok=True)
         self._in_step_fd: int | None = os.open(self._in_step, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._mark(None)
@@ -104,7 +102,7 @@ class StepWatchdog:
         """Record the hang (stacks, one line for the launcher) and end the process; never returns."""
         code = TrainingFailed.exit_code
         try:
-            stacks = self.run_dir / ERRORS_DIR / f"rank{self.rank}_stacks.txt"
+            stacks = self.run_dir.rank_stacks(self.rank)
             stacks.parent.mkdir(parents=True, exist_ok=True)
             with stacks.open("w") as out:
                 faulthandler.dump_traceback(out, all_threads=True)

@@ -1,0 +1,81 @@
+"""What train.py checks on its command line before Hydra runs: the run directory it names.
+
+Hydra would fail creating an unwritable hydra.run.dir with a traceback and exit code 1, and writes its
+log into the directory before the job runs: a directory that cannot be made, one another job owns, or a
+finished run's (which a new job would append to) is refused here, in one line. Only a directory given on
+the command line is checked; an interpolation (`${now:...}`) is checked up to where it starts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from launcher.core.overrides import argument, is_multirun, runs_a_job
+from launcher.core.rundir import RunDir, directory_problem
+
+
+def refused_run_dir(argv: Sequence[str]) -> str | None:
+    """Why the run directory this command names cannot be used (the error line), or None.
+
+    Claims it (launcher.core.rundir.RunDir.claim) before Hydra writes there: a second job must not
+    append to the first one's files."""
+    if not runs_a_job(argv):
+        return None  # prints a config or help; creates no directory
+    multirun = is_multirun(argv)
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    value = argument(argv, key)
+    fixed = (value or "").split("${", 1)[0]
+    if fixed != value:  # an interpolation: check the folder its fixed part names, if any
+        fixed = fixed.rsplit("/", 1)[0] if "/" in fixed else ""
+    if fixed and (problem := directory_problem(Path(fixed))):
+        return f"{key}={value}: cannot create it ({problem}); choose a directory you can write"
+    resume = argument(argv, "resume")
+    if not multirun and resume not in (None, "null", "", "auto") and RunDir(Path(resume).expanduser()).is_run():
+        return _claimed(RunDir(Path(resume).expanduser().absolute()), "resume")  # it runs there (conf/config.yaml)
+    if multirun or not value or value != fixed:
+        return None
+    run_dir = RunDir(Path(value).expanduser())
+    if _owns_run_dir(argv) and (refused := _claimed(run_dir, key)):
+        return refused
+    if resume in (None, "null", ""):
+        # A new job in a finished (or crashed) run's directory would append to its metrics and leave
+        # its checkpoints and model/ looking like this job's; Hydra has not touched it yet.
+        held = [path.name for path in (run_dir.metrics, run_dir.checkpoints) if path.exists()]
+        if held:
+            return (
+                f"hydra.run.dir={value} already holds a run ({', '.join(held)}): continue it with "
+                f"resume={value} (or resume=auto), or choose a new directory"
+            )
+    return None
+
+
+def _claimed(run_dir: RunDir, key: str) -> str | None:
+    problem = run_dir.claim()
+    return (
+        None if problem is None else f"{key}={run_dir.path}: {problem}; wait for it to end, or choose another directory"
+    )
+
+
+def _owns_run_dir(argv: Sequence[str]) -> bool:
+    """Whether this process is the one that owns the run directory: not another node's launcher
+    (dist.node_rank > 0) nor a SLURM task other than the first; they share rank 0's directory."""
+    return argument(argv, "dist.node_rank") in (None, "0") and os.environ.get("SLURM_PROCID", "0") == "0"
+
+
+def local_rank_dropped(argv: list[str]) -> str | None:
+    """DeepSpeed's launcher appends `--local_rank=N` to the script's arguments, which Hydra's parser rejects:
+    take it out of `argv` (in place); the value, for LOCAL_RANK, or None."""
+    value, kept, skip_next = None, [], False
+    for index, arg in enumerate(argv):
+        if skip_next:
+            skip_next = False
+        elif arg.startswith(("--local_rank=", "--local-rank=")):
+            value = arg.split("=", 1)[1]
+        elif arg in ("--local_rank", "--local-rank") and index + 1 < len(argv):
+            value, skip_next = argv[index + 1], True
+        else:
+            kept.append(arg)
+    argv[:] = kept
+    return value

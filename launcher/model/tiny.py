@@ -1,0 +1,404 @@
+"""Tiny vision-language models built from code: random init, a tokenizer trained on the data's words.
+
+For CPU jobs and tests: a tiny LLaVA (CLIP-style vision tower, Llama-style language model) or Qwen2-VL,
+built once per (architecture, dimensions, seed, vocabulary) into cache_dir/models and reused. The build is
+saved with `save_pretrained`, so it loads through the same door as a real preset
+(launcher.model.loading) and nothing downstream knows it is tiny.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from torch import nn
+from transformers import (
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaProcessor,
+    PreTrainedTokenizerFast,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    Qwen2VLProcessor,
+)
+from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from launcher.config.schema import ModelConfig
+from launcher.core.errors import LauncherError
+from launcher.data.formats import record_texts
+from launcher.model.loading import TINY_BUILD_RECORD, ImagesOnlyQwen2VLProcessor
+
+TINY_ARCHITECTURES = ("tiny_llava", "tiny_qwen2_vl")
+
+
+# Written last into a tiny build; its presence with the same arguments marks the build complete.
+_MARKER = TINY_BUILD_RECORD
+
+
+# Bump when the build recipe changes, so cached builds from an older recipe are rebuilt.
+_RECIPE_VERSION = 1
+
+
+# LLaVA-1.5 style: "USER: <image>\nwhat is in the image? ASSISTANT: red circle</s>". The generation
+# prompt ("ASSISTANT:") is an exact prefix of the rendered assistant turn, and each assistant turn
+# ends with eos, so a model trained on it learns to stop.
+_LLAVA_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ message['role'] | upper }}:"
+    "{%- if message['content'] is string -%}{{ ' ' + message['content'] }}"
+    "{%- else -%}{{ ' ' }}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}{{ '<image>\\n' }}"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- if message['role'] == 'assistant' -%}{{ eos_token }}{%- else -%}{{ ' ' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}ASSISTANT:{%- endif -%}"
+)
+
+
+# Qwen2-VL style (ChatML) without the default system prompt.
+_QWEN2_VL_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "<|im_start|>{{ message['role'] + '\\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "<|im_end|>{{ '\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>{{ 'assistant\\n' }}{%- endif -%}"
+)
+
+
+_LLAVA_SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<image>"]
+
+
+_QWEN2_VL_SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+
+def resolve_model_path(model: ModelConfig, seed: int, cache: Path, records: list[dict[str, Any]]) -> str:
+    """The hub id or directory a job loads (a local directory absolute: adapters and checkpoints name it as
+    their base); a tiny model is built (once, then cached) from the words of `records`, with weights
+    initialised from `seed` (train.seed)."""
+    if str(model.source) == "pretrained":
+        local = Path(str(model.path)).expanduser()
+        return str(local.resolve()) if local.is_dir() else str(model.path)
+    texts = sorted({text for record in records for text in record_texts(record)})
+    dims = {
+        "hidden_size": model.hidden_size,
+        "num_layers": model.num_layers,
+        "vision_hidden_size": model.vision_hidden_size,
+        "vision_layers": model.vision_layers,
+        "image_size": model.image_size,
+        "patch_size": model.patch_size,
+    }
+    key = hashlib.sha256(json.dumps([str(model.arch), seed, dims, texts]).encode()).hexdigest()[:12]
+    out = cache / "models" / f"{model.arch}-{key}"
+    return str(build_tiny_model_dir(str(model.arch), out, texts, seed=seed, **dims))
+
+
+def build_tiny_model_dir(
+    arch: str,
+    out_dir: Path,
+    vocabulary_texts: list[str],
+    *,
+    seed: int,
+    hidden_size: int,
+    num_layers: int,
+    vision_hidden_size: int,
+    vision_layers: int,
+    image_size: int,
+    patch_size: int,
+) -> Path:
+    """Build a random-init model + processor and save them to `out_dir`; return `out_dir`.
+
+    The directory loads with plain `AutoModelForImageTextToText` / `AutoProcessor`. The tokenizer is a
+    byte-level BPE trained in-process on `vocabulary_texts`, so every word of a small data set is one
+    token (an answer like "red circle" is two tokens) while any text still encodes. Deterministic given
+    the arguments. A complete build for the same arguments is reused (it is a cache); a build is written
+    to a temporary directory and renamed into place, so a crash never leaves a directory that looks
+    complete.
+    """
+    if arch not in TINY_ARCHITECTURES:
+        raise LauncherError(f"model.arch={arch} is not a tiny architecture; choose one of {TINY_ARCHITECTURES}")
+    if image_size % patch_size:
+        raise LauncherError(f"model image_size={image_size} must be a multiple of patch_size={patch_size}")
+    if arch == "tiny_qwen2_vl" and (image_size // patch_size) % 2:
+        raise LauncherError(
+            f"tiny_qwen2_vl merges 2x2 patches: image_size/patch_size={image_size // patch_size} must be even"
+        )
+    out_dir = Path(out_dir)
+    arguments = {
+        "arch": arch,
+        "recipe_version": _RECIPE_VERSION,
+        "transformers": transformers.__version__,
+        "vocabulary_sha256": hashlib.sha256("\n".join(vocabulary_texts).encode()).hexdigest(),
+        "seed": seed,
+        "hidden_size": hidden_size,
+        "num_layers": num_layers,
+        "vision_hidden_size": vision_hidden_size,
+        "vision_layers": vision_layers,
+        "image_size": image_size,
+        "patch_size": patch_size,
+    }
+    if _read_marker(out_dir) == arguments:
+        return out_dir
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    tmp_dir.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory
+    try:
+        build = _build_tiny_llava if arch == "tiny_llava" else _build_tiny_qwen2_vl
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model, processor = build(vocabulary_texts, **{k: arguments[k] for k in _SIZE_KEYS})
+        model.save_pretrained(tmp_dir)
+        processor.save_pretrained(tmp_dir)
+        if arch == "tiny_qwen2_vl":
+            _write_qwen2_vl_video_config(tmp_dir, image_size=image_size, patch_size=patch_size)
+        (tmp_dir / _MARKER).write_text(json.dumps(arguments, indent=2) + "\n")
+        _move_into_place(tmp_dir, out_dir, arguments)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return out_dir
+
+
+_SIZE_KEYS = (
+    "hidden_size",
+    "num_layers",
+    "vision_hidden_size",
+    "vision_layers",
+    "image_size",
+    "patch_size",
+)
+
+
+def _read_marker(out_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((out_dir / _MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _move_into_place(tmp_dir: Path, out_dir: Path, arguments: dict[str, Any]) -> None:
+    """Rename the finished build onto `out_dir`, replacing a stale or half-written one.
+
+    Several ranks may build the same directory at once: whoever renames first wins and the others
+    keep the winner's (identical) build.
+    """
+    if out_dir.exists() and _read_marker(out_dir) != arguments:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    try:
+        os.rename(tmp_dir, out_dir)
+    except OSError:
+        if _read_marker(out_dir) != arguments:
+            raise
+
+
+def _train_tokenizer(vocabulary_texts: list[str], special_tokens: list[str], extra_words: list[str]) -> Tokenizer:
+    """Byte-level BPE on the texts: frequent words become single tokens, anything else still encodes."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=len(alphabet) + len(special_tokens) + 2048,
+        min_frequency=2,
+        special_tokens=special_tokens,
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    texts = [text.replace("<image>", " ") for text in vocabulary_texts] + extra_words
+    words = sorted({word for text in texts for word in text.split()})
+    # Every text and word both at the start of a turn and after a space, so that "red" and " red"
+    # both become single tokens whichever template puts them where.
+    corpus = [form for piece in texts + words for form in (piece, " " + piece)]
+    tokenizer.train_from_iterator(corpus * 2, trainer)
+    return tokenizer
+
+
+def _build_tiny_llava(
+    vocabulary_texts: list[str],
+    *,
+    hidden_size: int,
+    num_layers: int,
+    vision_hidden_size: int,
+    vision_layers: int,
+    image_size: int,
+    patch_size: int,
+) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
+    bpe = _train_tokenizer(vocabulary_texts, _LLAVA_SPECIAL_TOKENS, ["USER:", "ASSISTANT:", "SYSTEM:"])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        extra_special_tokens={"image_token": "<image>"},
+        chat_template=_LLAVA_CHAT_TEMPLATE,
+    )
+    token_id = tokenizer.convert_tokens_to_ids
+    num_patches = (image_size // patch_size) ** 2
+    vision_config = CLIPVisionConfig(
+        hidden_size=vision_hidden_size,
+        intermediate_size=4 * vision_hidden_size,
+        num_hidden_layers=vision_layers,
+        num_attention_heads=max(1, vision_hidden_size // 32),
+        image_size=image_size,
+        patch_size=patch_size,
+        projection_dim=vision_hidden_size,
+    )
+    text_config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=max(1, hidden_size // 32),
+        num_key_value_heads=max(1, hidden_size // 32),
+        max_position_embeddings=2048,
+        pad_token_id=token_id("<pad>"),
+        bos_token_id=token_id("<s>"),
+        eos_token_id=token_id("</s>"),
+    )
+    config = LlavaConfig(
+        vision_config=vision_config,
+        text_config=text_config,
+        image_token_index=token_id("<image>"),
+        image_seq_length=num_patches,
+        # The last layer's features: with a 2-layer tower the usual -2 would leave a layer unused.
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+    )
+    model = LlavaForConditionalGeneration(config)
+    _set_generation_tokens(model, tokenizer)
+    image_processor = CLIPImageProcessorPil(
+        size={"height": image_size, "width": image_size},
+        crop_size={"height": image_size, "width": image_size},
+        do_center_crop=False,
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=patch_size,
+        vision_feature_select_strategy="default",
+        # The CLIP tower prepends a CLS token that "default" drops again: without this the processor
+        # writes one image token fewer than the model has features.
+        num_additional_image_tokens=1,
+        chat_template=_LLAVA_CHAT_TEMPLATE,
+    )
+    return model, processor
+
+
+def _build_tiny_qwen2_vl(
+    vocabulary_texts: list[str],
+    *,
+    hidden_size: int,
+    num_layers: int,
+    vision_hidden_size: int,
+    vision_layers: int,
+    image_size: int,
+    patch_size: int,
+) -> tuple[Qwen2VLForConditionalGeneration, Qwen2VLProcessor]:
+    bpe = _train_tokenizer(vocabulary_texts, _QWEN2_VL_SPECIAL_TOKENS, ["user", "assistant", "system"])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        chat_template=_QWEN2_VL_CHAT_TEMPLATE,
+    )
+    token_id = tokenizer.convert_tokens_to_ids
+    heads = max(1, hidden_size // 32)
+    head_dim = hidden_size // heads
+    # Multimodal RoPE splits each head's rotary half (head_dim / 2) into temporal/height/width sections.
+    half = head_dim // 2
+    mrope_section = [half - 2 * (half // 3), half // 3, half // 3]
+    config = Qwen2VLConfig(
+        vision_config={
+            "depth": vision_layers,
+            "embed_dim": vision_hidden_size,
+            "hidden_size": hidden_size,
+            "num_heads": max(1, vision_hidden_size // 32),
+            "mlp_ratio": 4,
+            "patch_size": patch_size,
+            "spatial_merge_size": 2,
+            # Still images only: one frame per patch, so pixel_values are not duplicated in time.
+            "temporal_patch_size": 1,
+        },
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": hidden_size,
+            "intermediate_size": 4 * hidden_size,
+            "num_hidden_layers": num_layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": heads,
+            "max_position_embeddings": 2048,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section},
+            "bos_token_id": None,
+            "eos_token_id": token_id("<|im_end|>"),
+            "pad_token_id": token_id("<|endoftext|>"),
+        },
+        image_token_id=token_id("<|image_pad|>"),
+        video_token_id=token_id("<|video_pad|>"),
+        vision_start_token_id=token_id("<|vision_start|>"),
+        vision_end_token_id=token_id("<|vision_end|>"),
+    )
+    model = Qwen2VLForConditionalGeneration(config)
+    _set_generation_tokens(model, tokenizer)
+    # min = max pixels: every image is resized to image_size x image_size, i.e.
+    # (image_size / patch_size)^2 patches, merged 2x2 into a handful of language tokens.
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=image_size * image_size,
+        max_pixels=image_size * image_size,
+        patch_size=patch_size,
+        temporal_patch_size=1,
+        merge_size=2,
+    )
+    processor = ImagesOnlyQwen2VLProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=_QWEN2_VL_CHAT_TEMPLATE
+    )
+    return model, processor
+
+
+def _write_qwen2_vl_video_config(out_dir: Path, *, image_size: int, patch_size: int) -> None:
+    """Add the video half of a Qwen2-VL processor by hand (building a video processor needs torchvision).
+
+    Nested in processor_config.json, as transformers 5 saves it, so that plain
+    `AutoProcessor.from_pretrained` finds it where torchvision is installed; videos are never fed.
+    """
+    path = out_dir / "processor_config.json"
+    processor_config = json.loads(path.read_text())
+    processor_config["video_processor"] = {
+        "video_processor_type": "Qwen2VLVideoProcessor",
+        "patch_size": patch_size,
+        "temporal_patch_size": 1,
+        "merge_size": 2,
+        "size": {"shortest_edge": image_size * image_size, "longest_edge": image_size * image_size},
+    }
+    path.write_text(json.dumps(processor_config, indent=2, sort_keys=True) + "\n")
+
+
+def _set_generation_tokens(model: nn.Module, tokenizer: PreTrainedTokenizerFast) -> None:
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id

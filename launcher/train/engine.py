@@ -1,0 +1,210 @@
+"""The model as one rank trains it: loaded, frozen and adapted as the job says, wrapped by DeepSpeed.
+
+A new way to train (LoRA, gradient checkpointing, 4-bit bases) changes `load_model` and nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from launcher.core.logs import quiet_transformers
+from launcher.core.summary import Summary
+from launcher.job.spec import Job
+from launcher.model.components import apply_freeze, enable_gradient_checkpointing
+from launcher.model.loading import load_model_and_processor, resolve_attn_implementation
+from launcher.model.method import apply_method, parameter_counts, quantization_config
+from launcher.train import ops
+from launcher.train.distributed import Rank
+
+log = logging.getLogger("launcher")
+
+
+@dataclass
+class Engine:
+    """DeepSpeed's engine of this rank and what a step needs beside it."""
+
+    engine: Any  # deepspeed.DeepSpeedEngine
+    scheduler: Any
+    processor: Any
+    dtype: torch.dtype  # what floating inputs (pixels) are cast to
+    grad_norm: GradNormSource
+
+    @property
+    def micro(self) -> int:
+        return int(self.engine.train_micro_batch_size_per_gpu())
+
+    @property
+    def accum(self) -> int:
+        return int(self.engine.gradient_accumulation_steps())
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.engine.zero_optimization_stage())
+
+
+def build_engine(job: Job, rank: Rank, summary: Summary) -> Engine:
+    """Seed, load the model, hand it to `deepspeed.initialize` with the job's dict; what it learns about
+    the model goes into `summary`."""
+    import deepspeed
+
+    ds_config = dict(job.ds_config)
+    reshard = job.resume.reshard if job.resume else None
+    if reshard is not None and reshard.converts and reshard.zero_stage > 0:
+        # A load-time switch only (DeepSpeed reads the checkpoint's universal copy); ds_config.json stays the job's.
+        ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
+    seed_everything(int(job.config.train.seed))
+    model, processor = load_model(job, rank, ds_config, summary)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    fallback = ops.optimizer_fallback(ds_config)  # on every rank: each loads (or builds) the op itself
+    if fallback and rank.is_main:
+        log.warning(fallback)
+    engine, _, _, scheduler = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config)
+    built = Engine(engine, scheduler, processor, engine_dtype(engine), GradNormSource(engine))
+    summary.optimizer = type(getattr(engine, "basic_optimizer", None) or engine.optimizer).__name__
+    summary.zero_stage = built.zero_stage
+    summary.world_size = rank.world_size
+    summary.precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(built.dtype, "fp32")
+    summary.params_held_per_rank = params_held_per_rank(engine, rank.device)
+    return built
+
+
+def load_model(job: Job, rank: Rank, ds_config: dict[str, Any], summary: Summary) -> tuple[Any, Any]:
+    """The model as it trains (frozen parts frozen, adapters added, checkpointing on) and its processor,
+    from the path the launcher resolved (a tiny model was built there before any rank started)."""
+    model_cfg, method = job.config.model, job.config.method
+    # At ZeRO-3 transformers must know the DeepSpeed config before the model is built, so that
+    # from_pretrained partitions the weights at construction instead of materialising them per rank.
+    hf_ds_config = None
+    if ds_config["zero_optimization"]["stage"] == 3:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        hf_ds_config = HfDeepSpeedConfig(ds_config)  # kept alive on purpose: transformers reads it at load
+    attention = resolve_attn_implementation(
+        str(model_cfg.attn_implementation), device_kind=rank.device.type, precision=job.precision
+    )
+    extra: dict[str, Any] = {}
+    if str(method.name) == "qlora":
+        extra["quantization_config"] = quantization_config(method, job.precision)
+        if hf_ds_config is None:  # bitsandbytes quantises as the weights reach the GPU; ZeRO-3 places them itself
+            extra["device_map"] = {"": rank.device}
+    quiet_transformers()
+    model, processor = load_model_and_processor(
+        str(job.model_path),
+        attn_implementation=attention,
+        min_pixels=model_cfg.min_pixels,
+        max_pixels=model_cfg.max_pixels,
+        **extra,
+    )
+    # True when ZeRO-3 partitioned the weights while loading (zero.Init tags each parameter).
+    summary.partitioned_at_load = any(hasattr(p, "ds_id") for p in model.parameters())
+    model.config.use_cache = False
+    apply_freeze(
+        model, vision=model_cfg.freeze_vision, projector=model_cfg.freeze_projector, language=model_cfg.freeze_language
+    )
+    enable_gradient_checkpointing(
+        model, language=model_cfg.gradient_checkpointing, vision=model_cfg.vision_gradient_checkpointing
+    )
+    # The adapters' initial weights from train.seed alone: loading the base draws from the generator
+    # differently per ZeRO stage (zero.Init), and the same job must start from the same adapters.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(job.config.train.seed))
+        model = apply_method(model, method, model_cfg)
+    counts = parameter_counts(model)
+    summary.params_total, summary.params_trainable = counts["total"], counts["trainable"]
+    summary.trainable_fraction = counts["trainable"] / max(counts["total"], 1)
+    summary.method, summary.attn_implementation, summary.base_model = str(method.name), attention, job.model_path
+    if rank.is_main:
+        log.info(
+            "model %s (%s, attention %s): %d of %d parameters train (%.2f%%); %s",
+            job.model_path,
+            method.name,
+            attention,
+            counts["trainable"],
+            counts["total"],
+            100 * summary.trainable_fraction,
+            counts,
+        )
+    return model, processor
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def engine_dtype(engine: Any) -> torch.dtype:
+    if engine.bfloat16_enabled():
+        return torch.bfloat16
+    if engine.fp16_enabled():
+        return torch.float16
+    return torch.float32
+
+
+def params_held_per_rank(engine: Any, device: torch.device) -> list[int]:
+    """Parameter elements each rank holds: its ZeRO-3 partition, or everything below stage 3."""
+    held = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in engine.module.parameters())
+    counts = torch.zeros(torch.distributed.get_world_size(), dtype=torch.int64, device=device)
+    counts[torch.distributed.get_rank()] = held
+    if torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(counts)
+    return [int(c) for c in counts.tolist()]
+
+
+def unpartitioned_grad_norm(engine: Any) -> float:
+    """Gradient norm at ZeRO stage 0 in fp32 without clipping (GradNormSource.computed_here decides).
+
+    Gradients are already all-reduced at the accumulation boundary, so the local norm is global.
+    One fused per-tensor norm call: a Python loop over the parameters cost ~1% of a tiny model's step."""
+    grads = [p.grad.detach() for p in engine.module.parameters() if p.grad is not None]
+    if not grads:
+        return math.nan
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)), dtype=torch.float64))
+
+
+class GradNormSource:
+    """Where train/grad_norm comes from at ZeRO stage 0 in fp32, the one case DeepSpeed keeps no norm
+    (engine.get_global_grad_norm() serves the others).
+
+    With clipping on, DeepSpeed computes the norm to clip by (engine.clip_fp32_gradients calls
+    deepspeed.runtime.utils.clip_grad_norm_, which returns it) and drops it: this engine's
+    clip_fp32_gradients makes the same call and keeps the result, so the metric costs nothing (a second
+    pass over the gradients cost ~1% of a small model's step). Without clipping the launcher computes
+    the norm before the optimizer step (`computed_here`)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.computed_here = False
+        self._kept: Any = None
+        if engine.zero_optimization_stage() != 0 or engine_dtype(engine) != torch.float32:
+            return
+        if engine.gradient_clipping() > 0 and hasattr(engine, "clip_fp32_gradients"):
+            from deepspeed.runtime.utils import clip_grad_norm_
+
+            def clip_and_keep_norm() -> None:
+                self._kept = clip_grad_norm_(
+                    parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(), mpu=engine.mpu
+                )
+
+            engine.clip_fp32_gradients = clip_and_keep_norm
+        else:
+            self.computed_here = True
+
+    def take(self, computed: float) -> float:
+        """This step's norm: the one DeepSpeed's clipping kept, else `computed` (NaN when there is none)."""
+        kept, self._kept = self._kept, None
+        return computed if kept is None else float(kept)
+
+    def of_step(self, engine: Any, computed: float) -> float:
+        """train/grad_norm of the step that just ended: DeepSpeed's, else the one kept or computed here."""
+        fallback = self.take(computed)
+        norm = engine.get_global_grad_norm()
+        if norm is None:
+            return fallback
+        return float(norm.item() if isinstance(norm, torch.Tensor) else norm)

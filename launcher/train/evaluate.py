@@ -1,0 +1,52 @@
+"""Held-out evaluation of one rank's share: the loss, and exact match of greedy answers (data.eval_accuracy)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from launcher.data.accuracy import exact_match_accuracy
+from launcher.job.spec import Job
+from launcher.train.distributed import Rank, all_reduce_sum
+from launcher.train.engine import Engine
+from launcher.train.loaders import Data
+from launcher.train.step import to_device
+
+log = logging.getLogger("launcher")
+
+
+def evaluation_due(job: Job, step: int) -> bool:
+    """Every train.eval_every steps (0: never), and at the last step."""
+    every = int(job.config.train.eval_every)
+    return bool(every and step % every == 0) or step == job.max_steps
+
+
+@torch.no_grad()
+def evaluate(job: Job, engine: Engine, data: Data, rank: Rank) -> dict[str, float]:
+    """Held-out loss (and exact-match accuracy when data.eval_accuracy), averaged over ranks."""
+    if data.eval_loader is None:  # no held-out data given
+        return {}
+    ds, device = engine.engine, rank.device
+    ds.eval()
+    loss_sum, count = 0.0, 0.0
+    for batch in data.eval_loader:
+        outputs = ds(**to_device(batch, device, engine.dtype))
+        loss_sum += float(outputs.loss) * batch["input_ids"].shape[0]
+        count += batch["input_ids"].shape[0]
+    total_loss, total_count = all_reduce_sum([loss_sum, count], device)
+    metrics = {"eval/loss": total_loss / max(total_count, 1.0)}
+    if data.accuracy_set is not None:
+        correct, total = exact_match_accuracy(
+            ds.module,
+            engine.processor,
+            data.accuracy_set,
+            max_new_tokens=int(job.config.data.max_new_tokens),
+            synced_gpus=engine.zero_stage == 3 and rank.world_size > 1,
+        )
+        correct, total = all_reduce_sum([correct, total], device)
+        metrics["eval/accuracy"] = correct / max(total, 1.0)
+    ds.train()
+    if rank.is_main and metrics:
+        log.info("eval: %s", {k: round(v, 4) for k, v in metrics.items()})
+    return metrics

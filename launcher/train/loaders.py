@@ -1,0 +1,269 @@
+"""One rank's data: its records, its loaders (training, held-out loss, exact match) and its place in them.
+
+With data.cache the records are decoded and tokenized once, by rank 0 while the others wait, and
+training reads tensors. At ZeRO-3 with several ranks every batch runs the vision tower (a dummy image
+where a batch has none): otherwise ranks whose batches differ in modality hang. Records over
+data.max_length are cut or skipped alike with the cache or without it; rank 0 lists those skipped in
+RUN/skipped_records.jsonl.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from launcher.core.children import die_with_parent
+from launcher.core.errors import LauncherError
+from launcher.core.logs import FILE_ONLY
+from launcher.core.rundir import RunDir
+from launcher.core.summary import Summary
+from launcher.data.cache import CachedCollator, CachedDataset, CacheInfo, RecordEncoder, ensure_cache
+from launcher.data.collate import Collator, fit_records
+from launcher.data.formats import skipped_entry
+from launcher.data.length import LengthLimit
+from launcher.data.records import ConversationDataset, LoadedData, read_data, require_one_global_batch
+from launcher.data.sampling import LengthGroupedSampler, MixtureSampler
+from launcher.data.shapes import prepare_data
+from launcher.job.planning import cache_dir
+from launcher.job.spec import Job
+from launcher.train.checkpoint import DataPosition, ResumableSampler, batches
+from launcher.train.distributed import Rank, main_process_first
+
+log = logging.getLogger("launcher")
+
+
+@dataclass
+class Data:
+    """The data streams of one rank."""
+
+    batches: Iterator[dict[str, Any]]  # training micro-batches, forever, from `position` on
+    position: DataPosition  # what `batches` has handed out (saved in checkpoints)
+    sampler: Any
+    micro: int
+    world_size: int
+    eval_loader: Any | None = None
+    accuracy_set: Any | None = None  # this rank's share of the exact-match samples
+    source_names: list[str] = field(default_factory=list)  # of a mixture (data.sources); empty otherwise
+
+    def global_draws(self, batches: int | None = None) -> int:
+        """Training samples all ranks drew after `batches` micro-batches each (default: so far)."""
+        return (self.position.batches if batches is None else batches) * self.micro * self.world_size
+
+    def source_counts(self, global_draws: int | None = None) -> dict[str, int]:
+        """Training samples drawn from each source of a mixture so far (all ranks)."""
+        if not self.source_names:
+            return {}
+        drawn = self.global_draws() if global_draws is None else global_draws
+        return dict(zip(self.source_names, self.sampler.source_counts(drawn), strict=True))
+
+    def mixture_position(self, global_draws: int | None = None) -> dict[str, dict[str, int]]:
+        """What a checkpoint records of a mixture: samples drawn from, and records in, each source."""
+        sizes = dict(zip(self.source_names, (int(n) for n in self.sampler.sizes), strict=True))
+        return {"drawn": self.source_counts(global_draws), "records": sizes}
+
+
+@dataclass
+class SkipTally:
+    """Records left out (bad, or over data.max_length) and cut, over the splits: the summary's counts and
+    the lines of RUN/skipped_records.jsonl."""
+
+    bad: int = 0
+    too_long: int = 0
+    truncated: int = 0
+    entries: list[dict[str, Any]] = field(default_factory=list)
+
+
+def build_data(
+    job: Job, rank: Rank, loaded: LoadedData, processor: Any, zero_stage: int, run_dir: RunDir, summary: Summary
+) -> Data:
+    """This rank's loaders over the records read (`read_records`), sharded by rank, resumable; the counts of
+    what was skipped go into `summary`."""
+    data, micro = job.config.data, job.micro_batch
+    guard = data.modality_guard
+    if guard is None:
+        guard = zero_stage == 3 and rank.world_size > 1
+    tally = SkipTally(bad=loaded.skipped, entries=list(loaded.skip_log))
+    train_set, collate, train_records, train_cache = _split(job, rank, processor, loaded.train, "train", guard, tally)
+    require_one_global_batch(len(train_set), micro, rank.world_size)  # decoding and length may drop records
+    sources = train_set.sources if train_cache is not None else [record["source"] for record in train_records]
+    sampler = _sampler(job, rank, loaded, train_set, sources)
+    train_loader = DataLoader(
+        train_set, batch_size=micro, sampler=sampler, drop_last=True, generator=torch.Generator(),
+        collate_fn=collate, **_loader_args(job, rank),
+    )  # fmt: skip
+    built = Data(
+        batches=iter(()),
+        position=DataPosition(),
+        sampler=sampler,
+        micro=micro,
+        world_size=rank.world_size,
+        source_names=[source.name for source in loaded.sources] if loaded.mixture else [],
+    )
+    # Each loader draws its workers' seed from a generator of its own, not from the global one (whose
+    # restored state a resumed run's extra draws would shift): see launcher.train.checkpoint.batches.
+    built.batches = batches(train_loader, sampler, built.position, micro)
+    if loaded.eval:
+        built.eval_loader, built.accuracy_set = _held_out(job, rank, processor, loaded.eval, guard, tally)
+    summary.records_skipped, summary.records_too_long = tally.bad, tally.too_long
+    summary.records_truncated = tally.truncated
+    if train_cache is not None:
+        summary.data_cache = {
+            "path": str(train_cache.path),
+            "built": train_cache.built,
+            "build_s": train_cache.build_seconds,
+        }
+    if rank.is_main:
+        _report_skipped(job, run_dir, tally)
+    return built
+
+
+def read_records(job: Job, rank: Rank) -> LoadedData:
+    """The train and eval records (at least one global micro-batch of them); rank 0 generates the built-in
+    set first (if the launcher did not) while the others wait."""
+    data, cache = job.config.data, cache_dir(job.config)
+    if data.synthetic:
+        with main_process_first(rank):
+            prepare_data(data, cache)
+    # Under on_bad_record=skip an image that does not decode must be found before training: the cache
+    # build decodes every image anyway; without the cache the records are decoded here once.
+    decode = str(data.on_bad_record) == "skip" and not data.cache
+    loaded = read_data(data, cache, decode=decode)
+    if rank.is_main:
+        log.info(
+            "data: %d train, %d eval records (%d bad records skipped); format %s",
+            len(loaded.train),
+            len(loaded.eval),
+            loaded.skipped,
+            ", ".join(f"{source.name}={fmt}" for source, fmt in zip(loaded.sources, loaded.formats, strict=True)),
+        )
+    require_one_global_batch(len(loaded.train), job.micro_batch, rank.world_size)
+    return loaded
+
+
+def _sampler(job: Job, rank: Rank, loaded: LoadedData, train_set: Any, sources: list[int]) -> Any:
+    """Whose indices the training loader takes: a mixture's, length-grouped ones, or a shuffled shard."""
+    placement = {"num_replicas": rank.world_size, "rank": rank.rank, "seed": int(job.config.train.seed)}
+    if loaded.mixture:
+        sizes = [sources.count(index) for index in range(len(loaded.sources))]
+        return MixtureSampler(sizes, [source.weight for source in loaded.sources], **placement)
+    if job.config.data.group_by_length:
+        return LengthGroupedSampler(train_set.lengths(), micro=job.micro_batch, **placement)
+    return ResumableSampler(train_set, shuffle=True, **placement)
+
+
+def _loader_args(job: Job, rank: Rank) -> dict[str, Any]:
+    workers = int(job.config.data.num_workers)
+    return {
+        "num_workers": workers,
+        "persistent_workers": workers > 0,
+        "worker_init_fn": _die_with_rank,  # no DataLoader worker outlives a rank killed by a signal
+        # Page-locked batches copy to a GPU asynchronously (the step moves them with non_blocking=True).
+        "pin_memory": rank.device.type == "cuda",
+    }
+
+
+def _die_with_rank(_worker_id: int) -> None:
+    die_with_parent()
+
+
+def _held_out(
+    job: Job, rank: Rank, processor: Any, records: list[dict], guard: bool, tally: SkipTally
+) -> tuple[Any, Any]:
+    """The held-out loss loader and this rank's exact-match samples (None without data.eval_accuracy)."""
+    data = job.config.data
+    eval_set, collate, eval_records, _ = _split(job, rank, processor, records, "eval", guard, tally)
+    sampler = DistributedSampler(eval_set, num_replicas=rank.world_size, rank=rank.rank, shuffle=False)
+    generator = torch.Generator().manual_seed(int(job.config.train.seed))
+    loader = DataLoader(
+        eval_set, batch_size=job.micro_batch, sampler=sampler, generator=generator, collate_fn=collate,
+        **_loader_args(job, rank),
+    )  # fmt: skip
+    if not data.eval_accuracy:
+        return loader, None
+    # The same number of samples per rank: under ZeRO-3 the ranks' generate calls run in lock-step.
+    usable = min(int(data.eval_samples), len(eval_records)) // rank.world_size * rank.world_size
+    return loader, ConversationDataset(eval_records[:usable][rank.rank :: rank.world_size])
+
+
+def _split(
+    job: Job, rank: Rank, processor: Any, records: list[dict], split: str, guard: bool, tally: SkipTally
+) -> tuple[Any, Any, list[dict], CacheInfo | None]:
+    """(dataset, collate function, the records that train, the cache's CacheInfo or None) of one split,
+    through the data cache or not, under data.max_length: both ways cut and skip the same records."""
+    data = job.config.data
+    limit = LengthLimit.of(data)
+    if data.cache:
+        dataset, info = _cached(job, rank, processor, records, limit)
+        tally.bad += info.skipped
+        tally.too_long += info.too_long
+        tally.truncated += info.truncated
+        tally.entries += [{"split": split, **entry} for entry in info.skip_log]
+        kept = [records[index] for index in dataset.indices]  # those that decoded and fit
+        return dataset, CachedCollator(processor, image_every_batch=guard), kept, info
+    report = fit_records(records, processor, limit, num_workers=int(data.num_workers))
+    tally.too_long += len(report.skipped)
+    tally.truncated += report.cut
+    for index, reason in report.skipped:
+        record = records[index]
+        entry = skipped_entry(record.get("file", ""), record.get("index", index), reason)
+        tally.entries.append({"split": split, **entry})
+    kept = [records[index] for index in report.kept]
+    return ConversationDataset(kept), Collator(processor, image_every_batch=guard, limit=limit), kept, None
+
+
+def _cached(job: Job, rank: Rank, processor: Any, records: list[dict], limit: LengthLimit) -> tuple[Any, CacheInfo]:
+    """The records as a CachedDataset; rank 0 builds the cache when missing while the others wait."""
+    data = job.config.data
+    with main_process_first(rank):
+        info = ensure_cache(
+            cache_dir(job.config) / "data_cache",
+            records,
+            processor,
+            str(job.model_path),
+            RecordEncoder(processor, limit),
+            ConversationDataset(records).__getitem__,
+            on_bad_record=str(data.on_bad_record),
+            num_workers=int(data.num_workers),
+        )
+    if rank.is_main:
+        log.info(
+            "data cache %s: %s (%d records, %d skipped)",
+            info.path,
+            f"built in {info.build_seconds:.1f} s" if info.built else "reused",
+            info.records,
+            info.skipped,
+            extra={} if info.built else FILE_ONLY,  # a build took a while: the terminal says so
+        )
+    return CachedDataset(info.path), info
+
+
+def _report_skipped(job: Job, run_dir: RunDir, tally: SkipTally) -> None:
+    """Rank 0: RUN/skipped_records.jsonl (rewritten at every start, so a resume repeats no line) and one
+    log line with the counts, naming the file."""
+    run_dir.write_skipped_records(tally.entries)
+    longest = job.config.data.max_length
+    parts = [
+        f"{tally.bad} bad record(s) skipped" if tally.bad else "",
+        f"{tally.too_long} record(s) over data.max_length={longest} skipped" if tally.too_long else "",
+        f"{tally.truncated} record(s) truncated to data.max_length={longest}" if tally.truncated else "",
+    ]
+    parts = [part for part in parts if part]
+    if parts:
+        where = f": see {run_dir.skipped_records}" if tally.entries else ""
+        log.info("data: %s%s", ", ".join(parts), where)
+
+
+def check_mixture_position(data: Data, saved: DataPosition) -> None:
+    """A resumed mixture must be the one saved: the same sources, records per source and draws per source."""
+    now = data.mixture_position(data.global_draws(saved.batches))
+    if saved.sources != now:
+        raise LauncherError(
+            f"the checkpoint's mixture {saved.sources} differs from the data's now {now} at the same step: "
+            "data.sources (files, their records, weights or names) changed since it was saved; resume with the "
+            "same mixture"
+        )

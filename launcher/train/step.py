@@ -1,0 +1,165 @@
+"""One optimizer step of one rank, and what it measures: loss, learning rate, gradient norm, throughput.
+
+    accum x (batch -> engine(batch).loss -> engine.backward -> engine.step)
+    one all-reduce: the loss and tokens summed over ranks, and whether any rank was asked to stop
+
+A non-finite loss stops the run at once (fp32 and bf16: the update was applied, the weights are
+spoiled), except under fp16, whose loss scaler skips such an update (up to train.max_nonfinite_steps in
+a row).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from launcher.core.checkpoints import find_resume_tag
+from launcher.core.errors import TrainingFailed
+from launcher.core.rundir import RunDir
+from launcher.train.distributed import Rank, all_reduce_sum
+from launcher.train.engine import Engine, unpartitioned_grad_norm
+from launcher.train.faults import Fault
+from launcher.train.loaders import Data
+from launcher.train.memory_meter import MemoryMeter
+
+
+@dataclass
+class Throughput:
+    """Samples and tokens per second over the measured steps (the first few warm up allocators and JIT)."""
+
+    skip_steps: int
+    seconds: float = 0.0
+    samples: float = 0.0
+    tokens: float = 0.0
+
+    def add(self, step: int, seconds: float, samples: float, tokens: float) -> None:
+        if step > self.skip_steps:
+            self.seconds += seconds
+            self.samples += samples
+            self.tokens += tokens
+
+    def per_second(self, what: float) -> float | None:
+        return what / self.seconds if self.seconds else None
+
+
+class CpuClock:
+    """CPU seconds this rank used per loop iteration: its whole process (every thread: torch's
+    intra-op pool, W&B's, the watchdog) and its main thread alone. DataLoader workers are other processes.
+
+    Each lap covers one full iteration (the step, and the previous step's metrics, logging and stop
+    check), so what the launcher adds around the step is in it. Other processes on the machine disturb
+    CPU time far less than wall time: this is the figure to compare loops by (bench/overhead.py)."""
+
+    def __init__(self) -> None:
+        self.process, self.thread = time.process_time(), time.thread_time()
+
+    def lap(self) -> dict[str, float]:
+        process, thread = time.process_time(), time.thread_time()
+        lap = {"perf/step_cpu_s": process - self.process, "perf/step_main_thread_cpu_s": thread - self.thread}
+        self.process, self.thread = process, thread
+        return lap
+
+
+@dataclass
+class StepState:
+    """What one step hands the next, and what every step reads."""
+
+    run_dir: RunDir  # named in the line of a non-finite loss, with its last checkpoint
+    throughput: Throughput
+    memory: MemoryMeter
+    fault: Fault
+    max_nonfinite: int  # train.max_nonfinite_steps: fp16 updates its loss scaler may skip in a row
+    last_loss: float = math.nan
+    nonfinite_in_a_row: int = 0
+    stop_agreed: bool = False  # some rank was asked to stop: all stop after this step
+
+
+def train_step(engine: Engine, data: Data, rank: Rank, state: StepState, step: int, *, stop: bool) -> dict[str, float]:
+    """One optimizer step over `accum` micro-batches; its metrics (the loss averaged over ranks).
+
+    `stop`: this rank was asked to stop; the ranks agree on it in the step's one all-reduce."""
+    ds, device = engine.engine, rank.device
+    step_start = time.perf_counter()
+    wait = loss_sum = tokens = 0.0
+    grad_norm = math.nan
+    for _ in range(engine.accum):
+        fetch_start = time.perf_counter()
+        batch = next(data.batches)
+        wait += time.perf_counter() - fetch_start
+        tokens += float(batch["attention_mask"].sum())
+        loss = ds(**to_device(batch, device, engine.dtype)).loss
+        ds.backward(loss)
+        if engine.grad_norm.computed_here and ds.is_gradient_accumulation_boundary():
+            grad_norm = unpartitioned_grad_norm(ds)
+        ds.step()
+        loss_sum += float(loss.detach())
+    state.fault.at(step)
+    loss_sum, tokens, stop_votes = all_reduce_sum([loss_sum, tokens, float(stop)], device)
+    state.stop_agreed = stop_votes > 0
+    step_loss = loss_sum / (engine.accum * rank.world_size)
+    check_finite(state, step, step_loss, fp16=engine.dtype == torch.float16)
+    step_time = time.perf_counter() - step_start
+    samples = engine.micro * engine.accum * rank.world_size
+    state.throughput.add(step, step_time, samples, tokens)
+    state.last_loss = step_loss
+    metrics = {
+        "train/loss": step_loss,
+        "train/lr": float(engine.scheduler.get_last_lr()[0]) if engine.scheduler else float(ds.get_lr()[0]),
+        "train/grad_norm": engine.grad_norm.of_step(ds, grad_norm),
+        "perf/samples_per_sec": samples / step_time,
+        "perf/tokens_per_sec": tokens / step_time,
+        "perf/step_time_s": step_time,
+        "perf/data_wait_frac": wait / step_time,
+        **state.memory.read(),
+    }
+    for name, count in data.source_counts().items():
+        metrics[f"data/samples_{name}"] = count  # cumulative: the mixture's realised shares
+    if engine.dtype == torch.float16:
+        metrics["train/loss_scale"] = loss_scale(ds.optimizer)
+    return metrics
+
+
+def nonfinite_action(loss: float, fp16: bool, in_a_row: int, allowed: int) -> str:
+    """What a step's loss means for the run: "ok", "skip" (fp16, whose loss scaler skipped the update), "stop".
+
+    fp32 and bf16 have no loss scaler: a non-finite loss means the update was applied and the weights
+    are spoiled, so the run stops at once (naming the step) and the last checkpoint stays the good one."""
+    if math.isfinite(loss):
+        return "ok"
+    return "skip" if fp16 and in_a_row <= allowed else "stop"
+
+
+def check_finite(state: StepState, step: int, loss: float, *, fp16: bool) -> None:
+    """Stop on a non-finite loss, unless fp16's loss scaler skipped that update (within the budget)."""
+    state.nonfinite_in_a_row = 0 if math.isfinite(loss) else state.nonfinite_in_a_row + 1
+    if nonfinite_action(loss, fp16, state.nonfinite_in_a_row, state.max_nonfinite) != "stop":
+        return
+    saved = find_resume_tag(state.run_dir)
+    fixes = "lower train.lr, use precision=bf16 instead of fp16," if fp16 else "lower train.lr"
+    raise TrainingFailed(
+        f"loss is {loss} at step {step}: {fixes} or check the data"
+        + (f"; checkpoint {saved}, saved before it, resumes with resume={state.run_dir.path}" if saved else "")
+    )
+
+
+def loss_scale(optimizer: Any) -> float:
+    """fp16's current loss scale. Every DeepSpeed fp16 optimizer has `loss_scale` (ZeRO-0's FP16_Optimizer
+    has no `cur_scale`, which only ZeRO 1-3 add)."""
+    scale = getattr(optimizer, "loss_scale", None)
+    return float(scale) if scale is not None else math.nan
+
+
+def to_device(batch: dict[str, Any], device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """Move tensors to the device; floating inputs (pixels) take the engine's training dtype."""
+    moved = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            value = value.to(device, non_blocking=True)
+            if value.is_floating_point():
+                value = value.to(dtype)
+        moved[key] = value
+    return moved

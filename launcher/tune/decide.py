@@ -1,0 +1,242 @@
+"""What the tuner decides from what it has planned and measured (pure): predictions, pruning, skipping,
+dominance, the loss check, the Pareto front and the pick; and what the measurements say of the planner."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from launcher.tune.space import Candidate
+
+MiB = 2**20
+GiB = 2**30
+
+
+# ================================================================================ results
+@dataclass
+class Result:
+    """What is known of one candidate: the plan, then the measurement."""
+
+    candidate: Candidate
+    planned: int | None = None  # bytes per rank, the planner's estimate
+    components: dict[str, int] = field(default_factory=dict)  # the planned bytes by component
+    status: str = "not run"  # fits | does not fit | pruned | skipped | dominated | failed | wrong | not run
+    note: str = ""  # why: the error line, the prediction, the dominating candidate, the loss gap
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    peak: int | None = None  # bytes, the largest rank's peak
+    losses: list[float] = field(default_factory=list)  # train/loss of steps 1, 2, ...
+    steps: int = 0  # measured steps behind the throughput
+    wall_s: float | None = None
+    cpu_s: float | None = None  # CPU time of its ranks
+    run_dir: str | None = None
+    ds_config: dict[str, Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.candidate.name
+
+    @property
+    def measured(self) -> bool:
+        """Ran to the end of its measurement: its peak and speed are the run's, not a bound."""
+        return self.status in ("fits", "wrong")
+
+
+STATUS_ORDER = ("fits", "wrong", "dominated", "does not fit", "failed", "skipped", "pruned", "not run")
+
+
+def predict(candidate: Candidate, planned: int, results: Iterable[Result]) -> tuple[int, str]:
+    """The peak a candidate should reach, from the plan calibrated by what was measured.
+
+    A measured candidate of the same group (only the micro batch differs): its peak plus the planned
+    difference, so whatever the planner leaves out (the runtime's own memory, a stage's overheads)
+    cancels. Else the median of (measured - planned) over all measured candidates added to the plan.
+    Else the plan alone (which, leaving the runtime's memory out, predicts low: it prunes nothing wrongly)."""
+    measured = [r for r in results if r.measured and r.peak is not None and r.planned is not None]
+    same_group = [r for r in measured if r.candidate.group == candidate.group]
+    if same_group:
+        ref = min(same_group, key=lambda r: abs(r.candidate.micro - candidate.micro))
+        return ref.peak + planned - ref.planned, f"{ref.name} measured {ref.peak / MiB:.0f} MiB + planned difference"
+    if measured:
+        offset = statistics.median(r.peak - r.planned for r in measured)
+        return int(planned + offset), f"plan + {offset / MiB:.0f} MiB measured offset ({len(measured)} candidates)"
+    return planned, "plan alone"
+
+
+def prune_reason(
+    candidate: Candidate, planned: int | None, results: Sequence[Result], budget: int, margin: float
+) -> str | None:
+    """Why a candidate need not run (predicted above the budget), or None."""
+    for other in results:
+        same_group = other.candidate.group == candidate.group
+        if other.status == "does not fit" and same_group and other.candidate.micro <= candidate.micro:
+            return f"{other.name} (a smaller micro batch) did not fit"
+    if planned is None:
+        return None
+    predicted, basis = predict(candidate, planned, results)
+    if predicted > budget * (1 + margin):
+        over = f"budget {budget / MiB:.0f} MiB x (1 + tune.margin={margin:g})"
+        return f"predicted {predicted / MiB:.0f} MiB ({basis}) > {over}"
+    return None
+
+
+def skip_reason(candidate: Candidate, results: Sequence[Result]) -> str | None:
+    """Why a candidate with gradient checkpointing cannot be the pick, so need not run, or None.
+
+    Checkpointing recomputes each layer's forward during the backward: the same work as its twin
+    without it (same preset, precision, micro batch, attention), plus that recomputation, for less
+    memory. So when the twin fits, or lost to a faster candidate that fits, this one cannot be the
+    fastest that fits; it is worth measuring only where the twin did not fit or was not measured."""
+    if not candidate.checkpointing:
+        return None
+    for other in results:
+        twin = other.candidate
+        if twin.checkpointing or (twin.preset, twin.precision, twin.micro, twin.attention) != (
+            candidate.preset,
+            candidate.precision,
+            candidate.micro,
+            candidate.attention,
+        ):
+            continue
+        if other.status in ("fits", "dominated"):
+            how = "fits" if other.status == "fits" else "lost to a faster candidate that fits"
+            return f"{other.name} (no gradient checkpointing) {how}; checkpointing only adds recomputation"
+    return None
+
+
+def dominating(samples_per_s: float, peak_so_far: int, results: Sequence[Result], margin: float) -> Result | None:
+    """A measured candidate faster by more than `margin` that used no more memory than this one has
+    already used: a peak only grows, so this one can never beat it on either."""
+    better = [
+        r
+        for r in results
+        if r.status == "fits"
+        and r.samples_per_s is not None
+        and r.peak is not None
+        and r.samples_per_s > samples_per_s * (1 + margin)
+        and r.peak <= peak_so_far
+    ]
+    return max(better, key=lambda r: r.samples_per_s) if better else None
+
+
+def loss_mismatches(results: Sequence[Result], tolerance: float, low_precision_tolerance: float) -> dict[str, str]:
+    """Candidates whose first losses differ from their reference's beyond the tolerance: name -> why.
+
+    The reference is the first measured candidate with the same precision and micro batch size (the
+    loss averages per micro batch, so another micro batch size may legitimately differ when records'
+    lengths vary); the losses compared are the steps both measured, up to 3."""
+    references: dict[tuple[str, int], Result] = {}
+    wrong = {}
+    for result in results:
+        if not result.measured or not result.losses:
+            continue
+        key = (result.candidate.precision, result.candidate.micro)
+        ref = references.setdefault(key, result)
+        if ref is result:
+            continue
+        tol = tolerance if result.candidate.precision == "fp32" else low_precision_tolerance
+        for step, (mine, theirs) in enumerate(zip(result.losses[:3], ref.losses[:3], strict=False), start=1):
+            gap = abs(mine - theirs) / max(abs(theirs), 1e-12)
+            if not math.isfinite(mine) or gap > tol:
+                wrong[result.name] = (
+                    f"loss at step {step} {mine:.6g} vs {theirs:.6g} of {ref.name} ({gap:.1e} relative > {tol:g})"
+                )
+                break
+    return wrong
+
+
+def pareto_front(results: Sequence[Result]) -> list[Result]:
+    """The measured fitting candidates no other beats on both speed and memory, by memory."""
+    pool = [r for r in results if r.status == "fits" and r.samples_per_s and r.peak]
+    front = [
+        r
+        for r in pool
+        if not any(
+            o is not r
+            and o.samples_per_s >= r.samples_per_s
+            and o.peak <= r.peak
+            and (o.samples_per_s > r.samples_per_s or o.peak < r.peak)
+            for o in pool
+        )
+    ]
+    return sorted(front, key=lambda r: r.peak)
+
+
+def pick(results: Sequence[Result]) -> Result | None:
+    """The fastest candidate that fits (less memory breaks a tie)."""
+    pool = [r for r in results if r.status == "fits" and r.samples_per_s]
+    return max(pool, key=lambda r: (r.samples_per_s, -(r.peak or 0))) if pool else None
+
+
+def ordered(results: Sequence[Result]) -> list[Result]:
+    """By status (fits first), then by speed."""
+    return sorted(results, key=lambda r: (STATUS_ORDER.index(r.status), -(r.samples_per_s or 0.0)))
+
+
+# ================================================================================ the planner, checked
+COMPONENTS = ("model states", "activations", "step+buffers")
+
+
+# The components fitted apart, or, when the measured candidates vary them together (e.g. model states
+# and step buffers both change only with the preset), merged: the first grouping the data can tell apart.
+GROUPINGS = (
+    (("model states",), ("activations",), ("step+buffers",)),
+    (("model states", "step+buffers"), ("activations",)),
+    (("model states", "activations", "step+buffers"),),
+)
+
+
+def planner_fit(results: Sequence[Result]) -> tuple[dict[str, float], float] | None:
+    """measured peak ~ baseline + sum of ratio x planned component, least squares over the measured
+    candidates: (ratio per component, or per merged components "a + b", baseline bytes); None when
+    even the total cannot be told from the baseline (fewer than 3 candidates, or one planned total)."""
+    import numpy as np
+
+    rows = [r for r in results if r.measured and r.peak is not None and r.components]
+    target = np.array([r.peak for r in rows], dtype=float) / MiB
+    for grouping in GROUPINGS:
+        if len(rows) < len(grouping) + 2:  # at least one candidate more than unknowns
+            continue
+        design = np.array(
+            [[*(sum(r.components[c] for c in group) / MiB for group in grouping), 1.0] for r in rows], dtype=float
+        )
+        if np.linalg.matrix_rank(design) < design.shape[1]:
+            continue
+        solution, *_ = np.linalg.lstsq(design, target, rcond=None)
+        names = [" + ".join(group) for group in grouping]
+        return dict(zip(names, (float(x) for x in solution[:-1]), strict=True)), float(solution[-1]) * MiB
+    return None
+
+
+def planner_lines(results: Sequence[Result]) -> list[str]:
+    """What the measurements say about the planner: per component, and where it was off by > 10 %."""
+    lines = []
+    fit = planner_fit(results)
+    if fit is None:
+        lines.append(
+            "measured/planned per component: not separable from these candidates (fewer than 3 measured, or "
+            "all planned alike); per candidate below"
+        )
+    else:
+        ratios, baseline = fit
+        parts = [
+            f"{name} x{ratio:.2f}" + (" (off > 10%)" if abs(ratio - 1) > 0.1 else "") for name, ratio in ratios.items()
+        ]
+        lines.append(
+            f"measured/planned per component (least squares over the measured candidates): {', '.join(parts)}; "
+            f"plus {baseline / MiB:.0f} MiB the planner does not model (the runtime: libraries, CUDA context, "
+            "allocator)"
+        )
+    # Per candidate: against the plan plus the runtime's own memory where the fit measured it.
+    baseline = fit[1] if fit is not None else 0.0
+    against = "planned + the runtime's memory above" if fit is not None else "planned"
+    off = [r for r in results if r.measured and r.peak and r.planned and abs(r.peak / (r.planned + baseline) - 1) > 0.1]
+    if off:
+        listed = ", ".join(f"{r.name} x{r.peak / (r.planned + baseline):.2f}" for r in off)
+        lines.append(f"planner off by more than 10% (measured / {against}): {listed}")
+    elif any(r.measured for r in results):
+        lines.append(f"every measured peak is within 10% of {against}")
+    return lines

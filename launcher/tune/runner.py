@@ -1,0 +1,282 @@
+"""Running one candidate: the job as train.py runs it, in this process (launcher.launch.run.run_job, which
+starts the ranks as child processes), watched by a thread that polls the ranks' memory and metrics and
+ends them once the candidate is measured, over the budget, dominated or too slow."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from launcher.config.compose import compose
+from launcher.config.schema import TuneConfig
+from launcher.core.errors import Interrupted
+from launcher.core.rundir import RunDir
+from launcher.core.summary import Summary
+from launcher.job.spec import HydraJob
+from launcher.launch.ranks import WORKER
+from launcher.launch.run import Outcome, run_job
+from launcher.train.distributed import CUDA_MEMORY_CAP_ENV
+from launcher.tune.decide import GiB, MiB, Result, dominating
+from launcher.tune.report import Tuning
+
+# Test hook: "NAME:KEY=VALUE" adds KEY=VALUE to the environment of candidate NAME only (tests force a
+# crash or a memory overrun on one candidate with launcher.recipe's fault hook).
+CANDIDATE_ENV = "LAUNCHER_TEST_TUNE_ENV"
+
+
+# ================================================================================ running a candidate
+@dataclass
+class Watch:
+    """What the tuner has seen of a running candidate."""
+
+    rank_peaks: dict[int, int] = field(default_factory=dict)  # pid -> peak RSS
+    rank_cpu: dict[int, float] = field(default_factory=dict)  # pid -> CPU seconds (user + system) so far
+    records: list[dict[str, Any]] = field(default_factory=list)  # metrics.jsonl rows
+
+    @property
+    def peak(self) -> int:
+        reported = max((int(r.get("mem/peak_bytes") or 0) for r in self.records), default=0)
+        return max([reported, *self.rank_peaks.values()])
+
+
+def rank_processes(root_pid: int) -> list[Any]:
+    """The ranks under a train.py process: `launcher.worker` processes whose parent is no rank
+    (a rank's DataLoader workers are its forks, sharing its pages)."""
+    import psutil
+
+    try:
+        tree = psutil.Process(root_pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    workers = {}
+    for proc in tree:
+        try:
+            if _runs_module(proc.cmdline(), WORKER):
+                workers[proc.pid] = proc
+        except psutil.Error:
+            continue
+    ranks = []
+    for proc in workers.values():
+        try:
+            if proc.ppid() not in workers:
+                ranks.append(proc)
+        except psutil.Error:
+            continue
+    return ranks
+
+
+def _runs_module(cmdline: Sequence[str], module: str) -> bool:
+    """Whether a command line runs `python ... -m MODULE` (torchrun's own `-m launcher.torchrun ...
+    -m launcher.worker` runs launcher.torchrun: its first -m decides)."""
+    for index, arg in enumerate(cmdline[:-1]):
+        if arg == "-m":
+            return cmdline[index + 1] == module
+    return False
+
+
+def kill_ranks(root_pid: int) -> None:
+    """SIGKILL the ranks and whatever they started: train.py survives them, cleans up and exits."""
+    import psutil
+
+    for rank in rank_processes(root_pid):
+        try:
+            family = [rank, *rank.children(recursive=True)]
+        except psutil.Error:
+            family = [rank]
+        for proc in family:
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGKILL)
+
+
+def measure(records: Sequence[Mapping[str, Any]], warmup: int, global_batch: int) -> tuple[float, float, int] | None:
+    """(samples/s, tokens/s, steps) over the steps after the warm-up ones; None before any."""
+    measured = [r for r in records if int(r["step"]) > warmup and r.get("perf/step_time_s")]
+    if not measured:
+        return None
+    seconds = sum(float(r["perf/step_time_s"]) for r in measured)
+    tokens = sum(float(r.get("perf/tokens_per_sec") or 0) * float(r["perf/step_time_s"]) for r in measured)
+    return global_batch * len(measured) / seconds, tokens / seconds, len(measured)
+
+
+def _read_new_records(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
+    try:
+        with path.open("rb") as handle:
+            handle.seek(offset)
+            data = handle.read()
+    except OSError:
+        return [], offset
+    complete = data[: data.rfind(b"\n") + 1]
+    records = [json.loads(line) for line in complete.splitlines() if line.strip() and b'"step"' in line]
+    return records, offset + len(complete)
+
+
+def error_line(output: str) -> str:
+    """A job's one-line error from its output (train.py prints `error: ...`), else its last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    return (errors[-1].removeprefix("error:").strip() if errors else lines[-1] if lines else "no output")[:500]
+
+
+def _candidate_env(name: str) -> dict[str, str]:
+    """The test hook's variables for candidate NAME (`CANDIDATE_ENV`="NAME:KEY=VALUE;..."), for its ranks."""
+    env = {}
+    for item in filter(None, os.environ.get(CANDIDATE_ENV, "").split(";")):
+        who, _, assignment = item.partition(":")
+        if who == name:
+            key, _, value = assignment.partition("=")
+            env[key] = value
+    return env
+
+
+def run_candidate(t: Tuning, result: Result, tune_cfg: TuneConfig) -> None:
+    """Run one candidate as train.py would, watch its memory and steps, stop it once measured; sets the
+    result's status, figures and note.
+
+    The job runs in this process (`launcher.launch.run.run_job`, the code behind train.py, which starts
+    the ranks as child processes): the tuner pays the launcher's imports once, not per candidate. Its
+    lines and its ranks' output go to the candidate's log file."""
+    candidate = result.candidate
+    run_dir = RunDir(t.directory / "runs" / candidate.name)
+    log_file = t.directory / "logs" / f"{candidate.name}.log"
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    overrides = [
+        *t.base,
+        *candidate.overrides(t.global_batch),
+        # One step more than measured: the last step of a run evaluates before it records its metrics,
+        # and the candidate is stopped as soon as the last measured step is recorded.
+        f"train.max_steps={int(tune_cfg.warmup_steps) + int(tune_cfg.measure_steps) + 1}",
+        "train.eval_every=0",
+        "train.save_every=0",
+        "data.eval_accuracy=false",
+        "logger=none",
+        "preflight=off",
+    ]
+    choices = {"deepspeed": candidate.preset, "precision": candidate.precision}
+    job = HydraJob(run_dir=run_dir.path, overrides=tuple(overrides), choices=choices, multirun=True, group="tune")
+    result.run_dir = str(run_dir.path)
+    rank_env = _candidate_env(candidate.name)
+    if t.device_kind == "cuda":  # the allocator stops at the budget: exceeding it is a real CUDA OOM
+        rank_env[CUDA_MEMORY_CAP_ENV] = f"{t.budget / GiB:.3f}"
+
+    def to_log(line: str) -> None:
+        with log_file.open("a") as log:
+            log.write(line + "\n")
+
+    started = time.time()
+    watcher = _Watcher(t, run_dir, tune_cfg, started)
+    watcher.start()
+    try:
+        outcome = run_job(compose(overrides), job, say=to_log, rank_env=rank_env, output=log_file)
+    finally:
+        watcher.stop()
+    _settle(t, result, watcher, outcome, tune_cfg, started, log_file)
+
+
+class _Watcher:
+    """A thread that polls a running candidate's ranks (memory, CPU time) and metrics.jsonl every 50 ms and
+    ends the ranks (SIGKILL) once the candidate is measured, over the budget, dominated or too slow."""
+
+    def __init__(self, t: Tuning, run_dir: RunDir, tune_cfg: TuneConfig, started: float) -> None:
+        self.t, self.run_dir, self.tune_cfg, self.started = t, run_dir, tune_cfg, started
+        self.watch = Watch()
+        self.decided: list[tuple[str, str]] = []  # (status, note) when the tuner ended the candidate
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="tune-watcher", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _poll(self) -> None:
+        offset = 0
+        while not self._done.wait(0.05):
+            # A CPU's memory is the ranks' resident set; a GPU's, what each rank reports per step.
+            for proc in rank_processes(os.getpid()):
+                try:
+                    rss, cpu = proc.memory_info().rss, proc.cpu_times()
+                except Exception:
+                    continue
+                self.watch.rank_cpu[proc.pid] = cpu.user + cpu.system
+                if self.t.device_kind == "cpu":
+                    self.watch.rank_peaks[proc.pid] = max(rss, self.watch.rank_peaks.get(proc.pid, 0))
+            new, offset = _read_new_records(self.run_dir.metrics, offset)
+            self.watch.records += new
+            if self.decided:
+                kill_ranks(os.getpid())  # again: a rank may have been starting the first time
+                continue
+            verdict = _verdict(self.t, self.watch, new, self.started, self.tune_cfg)
+            if verdict is not None:
+                self.decided.append(verdict)
+                kill_ranks(os.getpid())
+
+
+def _settle(
+    t: Tuning, result: Result, watcher: _Watcher, outcome: Outcome, tune_cfg: TuneConfig, started: float, log: Path
+) -> None:
+    """The candidate's figures, and what it turned out to be: fits, does not fit, failed (or the tuner's own
+    verdict); a candidate stopped from outside (Ctrl-C, a scheduler's SIGTERM) stops the tuning."""
+    warmup, steps = int(tune_cfg.warmup_steps), int(tune_cfg.measure_steps)
+    watch = watcher.watch
+    watch.records = _read_new_records(watcher.run_dir.metrics, 0)[0]
+    result.wall_s = round(time.time() - started, 1)
+    result.cpu_s = round(sum(watch.rank_cpu.values()), 1)  # the ranks' (sampled every 50 ms)
+    by_step = sorted(watch.records, key=lambda r: r["step"])
+    result.losses = [float(r["train/loss"]) for r in by_step if "train/loss" in r]
+    result.peak = watch.peak or None
+    figures = measure(watch.records, warmup, t.global_batch)
+    if figures is not None:
+        result.samples_per_s, result.tokens_per_s, result.steps = figures
+    summary = watcher.run_dir.read_summary() or Summary(status="failed")
+    error = outcome.error or summary.error
+    stopped_from_outside = outcome.status in ("interrupted", "preempted") or any(
+        sign in str(error) for sign in ("killed by SIGTERM", "killed by SIGINT", "KeyboardInterrupt")
+    )
+    if stopped_from_outside and not watcher.decided:
+        raise Interrupted(f"tune: stopped during {result.name}; the results so far are in {t.directory}")
+    if watcher.decided:
+        result.status, result.note = watcher.decided[0]
+    elif len(watch.records) >= warmup + steps:  # measured, then ended by the tuner
+        result.status = "fits"
+    else:
+        error = error or error_line(log.read_text(errors="replace"))
+        out_of_memory = "out of memory" in error.lower() or "can't allocate memory" in error.lower()
+        result.status, result.note = ("does not fit" if out_of_memory else "failed"), error[:500]
+
+
+def _verdict(t: Tuning, watch: Watch, new: list[dict[str, Any]], started: float, tc: Any) -> tuple[str, str] | None:
+    """Whether to end a running candidate now, and as what."""
+    warmup, steps = int(tc.warmup_steps), int(tc.measure_steps)
+    if watch.peak > t.budget:
+        return (
+            "does not fit",
+            f"a rank reached {watch.peak / MiB:.0f} MiB > budget {t.budget / MiB:.0f} MiB "
+            f"in step {len(watch.records) + 1}",
+        )
+    if len(watch.records) >= warmup + steps:
+        return ("fits", "")
+    if time.time() - started > float(tc.candidate_timeout_s):
+        return ("failed", f"did not finish within tune.candidate_timeout_s={tc.candidate_timeout_s:g} s")
+    if new and tc.early_skip:
+        so_far = measure(watch.records, warmup, t.global_batch)
+        if so_far is not None:
+            # One measured step is noisier than two: it must lose by twice the margin.
+            margin = float(tc.skip_margin) * (2 if so_far[2] == 1 else 1)
+            better = dominating(so_far[0], watch.peak, t.results, margin)
+            if better is not None:
+                return (
+                    "dominated",
+                    f"{better.name} is faster ({better.samples_per_s:.2f} > {so_far[0]:.2f} samples/s after "
+                    f"{so_far[2]} steps) with no more memory",
+                )
+    return None

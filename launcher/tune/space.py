@@ -1,0 +1,118 @@
+"""The tuner's search space: candidates (preset x precision x micro batch x checkpointing x attention), each
+the overrides `python train.py OVERRIDES CANDIDATE` adds to the job's command line."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from launcher.core.overrides import override_key
+from launcher.job.planning import VARIANT_KEYS
+
+# The overrides a candidate sets; the user's own values of these are replaced (with the keys of
+# launcher.job.variant_overrides: deepspeed, zero, offload, precision).
+_CANDIDATE_KEYS = (
+    "train.micro_batch_size",
+    "train.grad_accum",
+    "train.global_batch_size",
+    "model.gradient_checkpointing",
+    "model.vision_gradient_checkpointing",
+)
+
+
+# Overrides of the tuner itself, or of one job only, which a candidate's command line leaves out.
+_TUNER_ONLY = ("tune", "hydra", "dry_run", "resume", "preflight", "logger")
+
+
+# ================================================================================ the space
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration: what `python train.py OVERRIDES CANDIDATE` changes."""
+
+    preset: str
+    precision: str
+    micro: int
+    accum: int
+    checkpointing: bool
+    attention: str | None = None  # None: the job's own model.attn_implementation
+
+    @property
+    def name(self) -> str:
+        parts = [self.preset, self.precision, f"mb{self.micro}"]
+        if self.checkpointing:
+            parts.append("gc")
+        if self.attention:
+            parts.append(self.attention)
+        return "-".join(parts)
+
+    @property
+    def group(self) -> tuple[str, str, bool, str | None]:
+        """Candidates that differ only in micro batch size (memory grows with it)."""
+        return (self.preset, self.precision, self.checkpointing, self.attention)
+
+    def overrides(self, global_batch: int) -> list[str]:
+        flag = "true" if self.checkpointing else "false"
+        line = [
+            f"deepspeed={self.preset}",
+            f"precision={self.precision}",
+            f"train.micro_batch_size={self.micro}",
+            "train.grad_accum=null",
+            f"train.global_batch_size={global_batch}",
+            f"model.gradient_checkpointing={flag}",
+            f"model.vision_gradient_checkpointing={flag}",
+        ]
+        if self.attention:
+            line.append(f"model.attn_implementation={self.attention}")
+        return line
+
+
+def base_overrides(overrides: Sequence[str], *, tunes_attention: bool) -> list[str]:
+    """The job's overrides without those a candidate sets or only the tuner reads."""
+    replaced = (*VARIANT_KEYS, *_CANDIDATE_KEYS, *(("model.attn_implementation",) if tunes_attention else ()))
+    kept = []
+    for override in overrides:
+        key = override_key(override)
+        if key in replaced or key.split(".", 1)[0] in _TUNER_ONLY:
+            continue
+        kept.append(override)
+    return kept
+
+
+def search_space(
+    presets: Sequence[str],
+    precisions: Sequence[str],
+    micro_batch_sizes: Sequence[int],
+    checkpointing: Sequence[bool],
+    attentions: Sequence[str | None],
+    *,
+    global_batch: int,
+    world_size: int,
+) -> tuple[list[Candidate], list[str]]:
+    """Every combination, in the order they run (presets as given, fastest-first by convention; in a
+    group, micro batch sizes ascending, so a group's first candidate calibrates the predictions for
+    the larger ones); and a line per micro batch size left out because it cannot keep the global batch."""
+    per_rank = global_batch // world_size
+    micros, left_out = [], []
+    for micro in sorted(set(micro_batch_sizes)):
+        if micro < 1 or global_batch % (micro * world_size):
+            left_out.append(
+                f"micro batch {micro}: the global batch {global_batch} is no multiple of micro batch x "
+                f"{world_size} rank(s)"
+            )
+        elif micro <= per_rank:
+            micros.append(micro)
+        else:
+            left_out.append(f"micro batch {micro}: above the global batch per rank ({per_rank})")
+    candidates = [
+        Candidate(preset, precision, micro, global_batch // (micro * world_size), gc, attention)
+        for preset in presets
+        for precision in precisions
+        for gc in checkpointing
+        for attention in attentions
+        for micro in micros
+    ]
+    return candidates, left_out
+
+
+def default_micro_batch_sizes(micro: int) -> list[int]:
+    return sorted({max(1, micro // 2), micro, micro * 2})
