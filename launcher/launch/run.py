@@ -99,10 +99,12 @@ def run_job(
     say: Callable[[str], None] = to_stderr,
     rank_env: Mapping[str, str] | None = None,
     output: Path | None = None,
+    start: Callable[..., Summary] = start_ranks,
 ) -> Outcome:
     """Plan, then train (or only plan, with dry_run=true). `say` gets the launcher's own lines (what it
     decided, warnings); `rank_env` joins the ranks' environment; `output` is a file for the ranks' output
-    (the terminal otherwise)."""
+    (the terminal otherwise). `start` starts the ranks and returns rank 0's summary: child processes
+    (launcher.launch.ranks.start_ranks); a test may train its one rank in its own process instead."""
     logs.route_library_logs()  # before deepspeed is imported (planning imports it)
     logs.quiet_transformers()  # building a tiny model saves it here
     run_dir = RunDir(hydra.run_dir)
@@ -124,7 +126,7 @@ def run_job(
         return attempt.done
     say(job.describe())
     try:
-        summary = start_ranks(job, run_dir, env={**secret_env, **(rank_env or {})}, output=output)
+        summary = start(job, run_dir, env={**secret_env, **(rank_env or {})}, output=output)
     except LauncherError as err:
         return attempt.failed(err)
     if summary.status == "preempted":

@@ -38,8 +38,10 @@ class Rank:
         return self.rank == 0
 
 
-def init_distributed(job: Job) -> Rank:
-    """Join the job's process group (NCCL on a GPU, gloo on a CPU, or dist.backend) and take a device."""
+def init_distributed(job: Job) -> tuple[Rank, bool]:
+    """Join the job's process group (NCCL on a GPU, gloo on a CPU, or dist.backend) and take a device;
+    whether this call created the group (then its caller destroys it: `destroy`). A process that trains
+    several jobs (a test) creates the group once and keeps it: DeepSpeed caches its groups per process."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -49,6 +51,7 @@ def init_distributed(job: Job) -> Rank:
     backend = str(job.config.dist.backend)
     if backend == "auto":
         backend = "nccl" if accelerator.device_name() == "cuda" else "gloo"
+    created = not torch.distributed.is_initialized()
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=int(job.config.dist.timeout_s)))
     device = torch.device("cpu")
     if accelerator.device_name() == "cuda":
@@ -59,7 +62,7 @@ def init_distributed(job: Job) -> Rank:
         if cap_gb:  # the autotuner's budget on a GPU: the allocator refuses past it (a real CUDA OOM)
             total = torch.cuda.get_device_properties(local_rank).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, float(cap_gb) * 2**30 / total), local_rank)
-    return Rank(torch.distributed.get_rank(), torch.distributed.get_world_size(), device)
+    return Rank(torch.distributed.get_rank(), torch.distributed.get_world_size(), device), created
 
 
 def _quiet_libraries() -> None:

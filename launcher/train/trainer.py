@@ -86,11 +86,12 @@ def train(job: Job, run_dir: Path) -> Summary:
     summary = job.summary()
     track = _Track(rank=int(os.environ.get("RANK", "0")))
     with contextlib.ExitStack() as cleanup:
-        cleanup.callback(destroy)  # last: the process group outlives everything that uses it
         try:
             # Before deepspeed is imported (it logs from its import on); RANK is set by every launcher.
             logs.setup_rank_log(directory.train_log, track.rank)
-            rank = init_distributed(job)
+            rank, created = init_distributed(job)
+            if created:
+                cleanup.callback(destroy)  # first on the stack, so last: the group outlives what uses it
             track.rank = rank.rank
             if rank.world_size != job.world_size:
                 raise LauncherError(
