@@ -243,7 +243,7 @@ def run_worker(
 
 # ----------------------------------------------------------------------------- a worker process
 def single_rank_env() -> None:
-    """One rank on this machine, as launcher/processes.py sets it for an in-process rank."""
+    """One rank on this machine, as launcher/launch/ranks.py sets it for a rank it starts."""
     from launcher.launch.ranks import free_port
 
     os.environ.update(
@@ -253,19 +253,15 @@ def single_rank_env() -> None:
 
 
 def reference_inputs(ref_run: Path) -> tuple[Any, dict[str, Any], list[dict], str]:
-    """The composed config, DeepSpeed dict, train records and model directory of a train.py run."""
-    from omegaconf import OmegaConf
-
+    """The typed config, DeepSpeed dict, train records and model directory of a train.py run (its job.json)."""
     from launcher.data.records import read_data
-    from launcher.model.tiny import resolve_model_path
+    from launcher.job.planning import cache_dir
+    from launcher.job.spec import read_job
 
-    cfg = OmegaConf.load(ref_run / ".hydra" / "config.yaml")
-    ds_config = json.loads((ref_run / "ds_config.json").read_text())
-    cache = Path(cfg.cache_dir).expanduser().absolute()
-    loaded = read_data(cfg.data, cache)
-    # The same cached directory train.py loaded (its name hashes the model settings and vocabulary).
-    model_path = resolve_model_path(cfg.model, int(cfg.train.seed), cache, loaded.train + loaded.eval)
-    return cfg, ds_config, loaded.train, model_path
+    job = read_job(ref_run)
+    loaded = read_data(job.config.data, cache_dir(job.config))
+    # The same directory train.py loaded (a tiny model's name hashes its settings and vocabulary).
+    return job.config, job.ds_config, loaded.train, str(job.model_path)
 
 
 # ----------------------------------------------------------------------------- two contenders

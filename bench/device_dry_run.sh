@@ -4,7 +4,7 @@
 # without a GPU; transformers 5.17.0, hub 1.33.0, tokenizers 0.23.2, ...), run bench/device_install.sh
 # exactly as there (--target, --no-index, no pip config), then with its PYTHONPATH:
 #   (a) import hydra, omegaconf, deepspeed, transformers (the carried 5.24 must win), datasets, peft,
-#       bitsandbytes/wandb when carried, launcher.entry, launcher.recipe: versions and paths;
+#       bitsandbytes/wandb when carried, launcher.launch.run, launcher.train.trainer: versions and paths;
 #   (b) python train.py train.max_steps=3 logger=none: exit 0 and summary.json (CPU, tiny model; may
 #       JIT-build a DeepSpeed op into DIR/torch_extensions);
 #   (c) python -m pytest -m gpu -q --co collects tests/test_gpu.py;
@@ -60,7 +60,7 @@ python3 - "$DIR/site" "$ROOT" <<'EOF'
 import importlib, importlib.util, os, sys
 site, root = sys.argv[1:]
 wanted = ["hydra", "omegaconf", "deepspeed", "transformers", "datasets", "peft", "pydantic", "optuna", "submitit",
-          "torch", "tokenizers", "huggingface_hub", "accelerate", "launcher.entry", "launcher.recipe"]
+          "torch", "tokenizers", "huggingface_hub", "accelerate", "launcher.launch.run", "launcher.train.trainer"]
 wanted += [m for m in ("bitsandbytes", "wandb") if os.path.isdir(os.path.join(site, m))]
 bad = []
 for name in wanted:

@@ -19,7 +19,7 @@ Steps:
      the header line gives the min-max too. On a CPU: 256 x 256, 0.2 s of warm-up, 3 batches of 5;
   2. per preset, a fresh process (DeepSpeed keeps process-wide state; an out-of-memory must not end the
      sweep): the DeepSpeed dict is the one `python train.py deepspeed=PRESET precision=bf16` would give
-     `deepspeed.initialize` (composed by Hydra and `launcher.job.plan_job`, buckets from the language
+     `deepspeed.initialize` (composed by Hydra and `launcher.job.planning.plan_job`, buckets from the language
      model's hidden size), used as it is: without an offloaded optimizer that is torch's fused AdamW
      (`"torch_adam": true, "fused": true`, nothing to build); an offload preset uses DeepSpeed's
      cpu_adam op, loaded from TORCH_EXTENSIONS_DIR (inherited when set; a CPU run defaults it to
@@ -27,7 +27,7 @@ Steps:
      beforehand. The model is built on the GPU (ZeRO-3: partitioned at construction by
      `HfDeepSpeedConfig` + zero.Init, as train.py does) and trained for --warmup + --steps steps on one
      synthetic batch already on the device (random pixels and tokens: this measures the model and
-     DeepSpeed, not data loading). `launcher.device_memory.MemoryMeter` reads memory after every step;
+     DeepSpeed, not data loading). `launcher.train.memory_meter.MemoryMeter` reads memory after every step;
   3. a Markdown table, one row per preset, rewritten as each preset ends (see Files).
 
 Columns: samples/s and tokens/s (all sequence positions, image tokens included) over the measured
@@ -274,9 +274,11 @@ def cpu_info_lines() -> list[str]:
 # ----------------------------------------------------------------------------- one preset (a worker)
 def planned_ds_config(preset: str, micro: int, steps: int, hidden_size: int, device: str) -> dict[str, Any]:
     """The DeepSpeed dict `python train.py deepspeed=PRESET precision=bf16 ...` would hand to DeepSpeed."""
+    from launcher.config.compose import compose
     from launcher.config.precision import Device
-    from launcher.job.spec import HydraJob, plan_job
-    from launcher.plan.report import compose
+    from launcher.config.schema import typed
+    from launcher.job.planning import plan_job
+    from launcher.job.spec import HydraJob
 
     overrides = [
         f"deepspeed={preset}",
@@ -289,7 +291,7 @@ def planned_ds_config(preset: str, micro: int, steps: int, hidden_size: int, dev
     ]
     # The device is given, not detected: a dry run on a machine without the GPU plans for the GPU.
     target = Device(kind=device, bf16=True, fp16=device != "cpu")
-    spec = plan_job(compose(overrides), HydraJob(run_dir=ROOT, overrides=tuple(overrides)), device=target)
+    spec = plan_job(typed(compose(overrides)), HydraJob(run_dir=ROOT, overrides=tuple(overrides)), device=target)
     return spec.ds_config
 
 

@@ -21,7 +21,7 @@ Figures per variant:
              64 KiB or more its own mapping and unmaps it when freed (mallopt M_MMAP_THRESHOLD, which
              also stops the threshold from adapting), so resident memory follows the live tensors
              rather than what malloc kept; PyTorch keeps no CPU cache. Deterministic to a few MiB.
-  planner    `launcher.memory.activation_bytes` for the same model, sequence and batch.
+  planner    `launcher.plan.memory.activation_bytes` for the same model, sequence and batch.
   step       median wall and CPU time (the process, all threads) per step over steps 2..N, in the other
              run, with glibc left alone (the page faults of a mapping per allocation cost ~40% more CPU).
              The machine's noise is ~25%; with other processes busy, OpenMP's spinning threads inflate
@@ -53,12 +53,12 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
 import _common as common
 
-from launcher.data.shapes import COLOURS, QUESTION, SHAPES
 from launcher.data.collate import Collator
-from launcher.model.tiny import build_tiny_model_dir
+from launcher.data.shapes import COLOURS, QUESTION, SHAPES
 from launcher.model.components import enable_gradient_checkpointing
 from launcher.model.loading import load_model_and_processor
 from launcher.model.stats import model_stats
+from launcher.model.tiny import build_tiny_model_dir
 from launcher.plan.memory import Layout, activation_bytes
 
 MiB = 2**20
@@ -127,20 +127,23 @@ def vocabulary() -> list[str]:
 
 
 def planner_bytes(args: argparse.Namespace, path: Path, seq_len: int, language: bool, vision: bool) -> int:
-    from launcher.plan.report import compose
+    from launcher.config.compose import compose
+    from launcher.config.schema import typed
 
-    cfg = compose(
-        [
-            f"model={args.arch}",
-            f"model.hidden_size={args.hidden_size}",
-            f"model.num_layers={args.num_layers}",
-            f"model.vision_hidden_size={args.vision_hidden_size}",
-            f"model.vision_layers={args.vision_layers}",
-            f"model.image_size={args.image_size}",
-            f"model.patch_size={args.patch_size}",
-            f"model.gradient_checkpointing={str(language).lower()}",
-            f"model.vision_gradient_checkpointing={str(vision).lower()}",
-        ]
+    cfg = typed(
+        compose(
+            [
+                f"model={args.arch}",
+                f"model.hidden_size={args.hidden_size}",
+                f"model.num_layers={args.num_layers}",
+                f"model.vision_hidden_size={args.vision_hidden_size}",
+                f"model.vision_layers={args.vision_layers}",
+                f"model.image_size={args.image_size}",
+                f"model.patch_size={args.patch_size}",
+                f"model.gradient_checkpointing={str(language).lower()}",
+                f"model.vision_gradient_checkpointing={str(vision).lower()}",
+            ]
+        )
     )
     stats = model_stats(cfg, path=str(path))
     return activation_bytes(

@@ -26,13 +26,13 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-import launcher.data
-from launcher.data.shapes import COLOURS, QUESTION, SHAPES, generate_shapes
+import launcher.data.shapes
+from launcher.data.accuracy import exact_match_accuracy
 from launcher.data.collate import Collator, PromptCollator
 from launcher.data.records import ConversationDataset, load_records
-from launcher.data.accuracy import exact_match_accuracy
-from launcher.model.tiny import build_tiny_model_dir
+from launcher.data.shapes import COLOURS, QUESTION, SHAPES, generate_shapes
 from launcher.model.loading import load_model_and_processor
+from launcher.model.tiny import build_tiny_model_dir
 
 
 def main() -> None:
@@ -62,7 +62,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
 
     if args.extent:
-        launcher.data.SHAPE_EXTENT = tuple(args.extent)
+        launcher.data.shapes.SHAPE_EXTENT = tuple(args.extent)
     started = time.perf_counter()
     train_json, eval_json, image_root = generate_shapes(
         args.work_dir / f"shapes-{args.seed}-{args.n_train}-{args.n_eval}-{args.image_size}-{args.extent}",

@@ -59,15 +59,14 @@ def train(run_dir: Path, *overrides: str) -> dict:
 
 def accuracy_before(model_dir: Path, samples: int) -> float:
     """Exact match of the unchanged model on the colour question's held-out split."""
-    from omegaconf import OmegaConf
-
-    from launcher.data.records import ConversationDataset, load_records
+    from launcher.config.compose import compose
+    from launcher.config.schema import typed
     from launcher.data.accuracy import exact_match_accuracy
+    from launcher.data.records import ConversationDataset, load_records
     from launcher.data.shapes import prepare_data
     from launcher.model.loading import load_model_and_processor
 
-    data = OmegaConf.load(ROOT / "conf" / "data" / "shapes.yaml")
-    data.task = "colour"
+    data = typed(compose(["data=shapes", "data.task=colour"])).data
     _, eval_file, image_root = prepare_data(data, Path(bench_env()["VLM_LAUNCHER_CACHE"]))
     records, _ = load_records(eval_file, image_root)
     model, processor = load_model_and_processor(str(model_dir))

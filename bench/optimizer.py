@@ -28,7 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
 from _common import interleaved_order, measured, run_train_py
 
-# DeepSpeed's own AdamW: an optimizer block taken whole from the base (launcher.ds_config.ATOMIC_BLOCKS).
+# DeepSpeed's own AdamW: an optimizer block taken whole from the base (launcher.config.ds_config.ATOMIC_BLOCKS).
 DEEPSPEED_ADAM = {"optimizer": {"type": "AdamW", "params": {k: "auto" for k in ("lr", "betas", "eps", "weight_decay")}}}
 # Two-sided 97.5% quantiles of Student's t for small samples (df 1..10).
 T975 = [12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23]

@@ -6,7 +6,7 @@
 
 A reference `python train.py` run (extra arguments are its overrides) builds the caches and the run
 directory. Then rank 0 of each contender runs again under cProfile, started the way their launchers
-start them: train.py's rank as `python -m launcher.worker RUN_DIR` on a copy of the reference run, the
+start them: train.py's rank as `python -m launcher.launch.worker RUN_DIR` on a copy of the reference run, the
 hand loop as `bench/overhead.py --hand-loop` (both under torchrun with several ranks). The table gives
 milliseconds per step (cumulative time / steps) of the loop and of each thing the launcher does per
 step beyond the hand loop, and of what both do (forward, backward, optimizer step, next batch).

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import QUICK, Ran, one_rank_group, run_here, run_train, subprocess_env, train_here
+from tests.helpers import QUICK, Ran, one_rank_group, run_here, run_train_py, subprocess_env, train_here
 
 
 @pytest.fixture
@@ -18,12 +18,12 @@ def isolated_env(tmp_path: Path) -> dict[str, str]:
 
 
 @pytest.fixture
-def train_py(isolated_env: dict[str, str]) -> Callable[..., subprocess.CompletedProcess[str]]:
+def run_train(isolated_env: dict[str, str]) -> Callable[..., subprocess.CompletedProcess[str]]:
     """Run `python train.py ARGS` in the project root and capture its output (`env`: variables to set,
     or to unset with None)."""
 
     def run(*args: str, timeout: float = 600, env: dict[str, str | None] | None = None):
-        return run_train(isolated_env, *args, timeout=timeout, extra_env=env)
+        return run_train_py(isolated_env, *args, timeout=timeout, extra_env=env)
 
     return run
 

@@ -170,7 +170,7 @@ def subprocess_env(directory: Path) -> dict[str, str]:
     return env
 
 
-def run_train(
+def run_train_py(
     env: dict[str, str], *args: str, timeout: float = 600, extra_env: dict[str, str | None] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """`python train.py ARGS` in the project root, output captured (`extra_env`: variables to set, or to

@@ -256,7 +256,15 @@ def check_ds_config(ds: Mapping[str, Any], *, world_size: int, device: Device) -
     for path, value in leaves(ds):
         if isinstance(value, str) and value.lower() == "auto":
             raise LauncherError(f'{path}="auto" would be silently dropped by DeepSpeed: give a value')
+    _check_batch(ds, world_size)
+    _check_precision(ds, device)
+    _check_zero(ds.get("zero_optimization") or {})
+    clip = ds.get("gradient_clipping", 0)
+    if not isinstance(clip, int | float) or clip < 0:
+        raise LauncherError(f"gradient_clipping={clip} must be a non-negative number (0 disables clipping)")
 
+
+def _check_batch(ds: Mapping[str, Any], world_size: int) -> None:
     total, micro, accum = (ds.get(key) for key in BATCH_KEYS)
     for key, value in zip(BATCH_KEYS, (total, micro, accum), strict=True):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -267,6 +275,8 @@ def check_ds_config(ds: Mapping[str, Any], *, world_size: int, device: Device) -
             f"x gradient_accumulation_steps={accum} x world size {world_size} = {micro * accum * world_size}"
         )
 
+
+def _check_precision(ds: Mapping[str, Any], device: Device) -> None:
     fp16 = bool(get(ds, "fp16.enabled", False))
     bf16 = bool(get(ds, "bf16.enabled", False)) or bool(get(ds, "bfloat16.enabled", False))
     if "bf16" in ds and "bfloat16" in ds:
@@ -280,7 +290,9 @@ def check_ds_config(ds: Mapping[str, Any], *, world_size: int, device: Device) -
     if bf16:
         resolve_precision("bf16", device)
 
-    zero = ds.get("zero_optimization") or {}
+
+def _check_zero(zero: Mapping[str, Any]) -> None:
+    """Offload needs the stage that can hold it; bucket sizes are whole numbers of elements."""
     stage = zero.get("stage", 0)
     offload_param = (zero.get("offload_param") or {}).get("device", "none")
     offload_optimizer = (zero.get("offload_optimizer") or {}).get("device", "none")
@@ -312,14 +324,12 @@ def check_ds_config(ds: Mapping[str, Any], *, world_size: int, device: Device) -
             )
     for key in COMM_KEYS:
         value = zero.get(key)
-        if key.endswith("_size") or key.endswith("_threshold"):
-            if value is not None and (isinstance(value, bool) or not float(value).is_integer()):
-                raise LauncherError(f"zero_optimization.{key}={value} must be a whole number of elements")
-            if value is not None and value < (0 if key.endswith("_threshold") else 1):
-                raise LauncherError(f"zero_optimization.{key}={value} must be positive")
-    clip = ds.get("gradient_clipping", 0)
-    if not isinstance(clip, int | float) or clip < 0:
-        raise LauncherError(f"gradient_clipping={clip} must be a non-negative number (0 disables clipping)")
+        if value is None or not (key.endswith("_size") or key.endswith("_threshold")):
+            continue
+        if isinstance(value, bool) or not float(value).is_integer():
+            raise LauncherError(f"zero_optimization.{key}={value} must be a whole number of elements")
+        if value < (0 if key.endswith("_threshold") else 1):
+            raise LauncherError(f"zero_optimization.{key}={value} must be positive")
 
 
 def build_ds_config(

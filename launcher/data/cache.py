@@ -156,28 +156,7 @@ def ensure_cache(
                 f"cannot write the data cache under {root} ({error.strerror or error}; {free:.1f} GiB free): free "
                 "disk space, set cache_dir to a disk with room, or data.cache=false"
             ) from error
-        kept = written.kept
-        if not kept and not written.too_long:
-            raise LauncherError(
-                f"data: none of the {written.skipped} records could be decoded (all skipped under "
-                f"data.on_bad_record=skip): fix the images, e.g. those of {records[0]['where']}"
-            )
-        if not kept:
-            raise nothing_fits(len(records), encode.limit, written.too_long, written.skipped, written.too_long_example)
-        meta = {
-            "version": CACHE_VERSION,
-            "key": key,
-            "model": model,
-            "records": len(kept),
-            "skipped": written.skipped,
-            "truncated": written.cut,
-            "too_long": written.too_long,
-            "skip_log": written.skip_log,
-            "indices": kept,  # positions in the records given: which survived a skip
-            "ids": [records[i]["id"] for i in kept],
-            "sources": [records[i].get("source", 0) for i in kept],
-            "build_seconds": round(time.perf_counter() - started, 3),
-        }
+        meta = _meta(key, model, records, written, encode, round(time.perf_counter() - started, 3))
         (tmp / META_FILE).write_text(json.dumps(meta) + "\n")  # last: its presence marks a complete cache
         try:
             os.rename(tmp, path)
@@ -187,6 +166,33 @@ def ensure_cache(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return _info(path, meta, built=True)
+
+
+def _meta(key: str, model: str, records: list[dict], written: _Written, encode: RecordEncoder, seconds: float) -> dict:
+    """meta.json of a cache built: which records it holds, which it skipped or cut, and why; or the one line
+    saying that no record is left."""
+    kept = written.kept
+    if not kept and not written.too_long:
+        raise LauncherError(
+            f"data: none of the {written.skipped} records could be decoded (all skipped under "
+            f"data.on_bad_record=skip): fix the images, e.g. those of {records[0]['where']}"
+        )
+    if not kept:
+        raise nothing_fits(len(records), encode.limit, written.too_long, written.skipped, written.too_long_example)
+    return {
+        "version": CACHE_VERSION,
+        "key": key,
+        "model": model,
+        "records": len(kept),
+        "skipped": written.skipped,
+        "truncated": written.cut,
+        "too_long": written.too_long,
+        "skip_log": written.skip_log,
+        "indices": kept,  # positions in the records given: which survived a skip
+        "ids": [records[i]["id"] for i in kept],
+        "sources": [records[i].get("source", 0) for i in kept],
+        "build_seconds": seconds,
+    }
 
 
 def _info(path: Path, meta: dict, *, built: bool) -> CacheInfo:

@@ -84,7 +84,6 @@ def generate_shapes(
     """
     if task not in TASKS:
         raise LauncherError(f"data.task={task} is not a task of the built-in set: choose one of {', '.join(TASKS)}")
-    question, answer = TASKS[task]
     out_dir = Path(out_dir)
     arguments = {
         "version": _SHAPES_VERSION,
@@ -105,25 +104,7 @@ def generate_shapes(
     try:
         seen: set[str] = set()
         for split, count, stream in (("train", n_train, 0), ("eval", n_eval, 1)):
-            rng = np.random.default_rng([seed, stream])
-            (tmp_dir / "images" / split).mkdir(parents=True)
-            records = []
-            labels = [(c, s) for c in COLOURS for s in SHAPES]
-            order = [labels[i % len(labels)] for i in rng.permutation(count)]
-            for index, (colour, shape) in enumerate(order):
-                pixels = _draw_unseen(rng, colour, shape, image_size, seen)
-                name = f"{split}/{index:05d}.png"
-                Image.fromarray(pixels).save(tmp_dir / "images" / name)
-                records.append(
-                    {
-                        "id": f"{split}-{index:05d}",
-                        "image": name,
-                        "conversations": [
-                            {"from": "human", "value": f"{IMAGE_PLACEHOLDER}\n{question}"},
-                            {"from": "gpt", "value": answer(colour, shape)},
-                        ],
-                    }
-                )
+            records = _draw_split(tmp_dir, split, count, np.random.default_rng([seed, stream]), image_size, task, seen)
             (tmp_dir / f"{split}.json").write_text(json.dumps(records, indent=1) + "\n")
         (tmp_dir / _SHAPES_MARKER).write_text(json.dumps(arguments, indent=2) + "\n")
         if out_dir.exists() and _read_json(out_dir / _SHAPES_MARKER) != arguments:
@@ -136,6 +117,33 @@ def generate_shapes(
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return paths
+
+
+def _draw_split(
+    out_dir: Path, split: str, count: int, rng: np.random.Generator, image_size: int, task: str, seen: set[str]
+) -> list[dict[str, Any]]:
+    """`count` images of one split (PNGs under out_dir/images/SPLIT, none drawn before) and their records,
+    the classes balanced."""
+    question, answer = TASKS[task]
+    (out_dir / "images" / split).mkdir(parents=True)
+    records = []
+    labels = [(c, s) for c in COLOURS for s in SHAPES]
+    order = [labels[i % len(labels)] for i in rng.permutation(count)]
+    for index, (colour, shape) in enumerate(order):
+        pixels = _draw_unseen(rng, colour, shape, image_size, seen)
+        name = f"{split}/{index:05d}.png"
+        Image.fromarray(pixels).save(out_dir / "images" / name)
+        records.append(
+            {
+                "id": f"{split}-{index:05d}",
+                "image": name,
+                "conversations": [
+                    {"from": "human", "value": f"{IMAGE_PLACEHOLDER}\n{question}"},
+                    {"from": "gpt", "value": answer(colour, shape)},
+                ],
+            }
+        )
+    return records
 
 
 def _draw_unseen(rng: np.random.Generator, colour: str, shape: str, size: int, seen: set[str]) -> np.ndarray:

@@ -170,19 +170,26 @@ def build_tiny_model_dir(
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     tmp_dir.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory
     try:
-        build = _build_tiny_llava if arch == "tiny_llava" else _build_tiny_qwen2_vl
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model, processor = build(vocabulary_texts, **{k: arguments[k] for k in _SIZE_KEYS})
-        model.save_pretrained(tmp_dir)
-        processor.save_pretrained(tmp_dir)
-        if arch == "tiny_qwen2_vl":
-            _write_qwen2_vl_video_config(tmp_dir, image_size=image_size, patch_size=patch_size)
-        (tmp_dir / _MARKER).write_text(json.dumps(arguments, indent=2) + "\n")
+        _write_build(tmp_dir, vocabulary_texts, arguments)
         _move_into_place(tmp_dir, out_dir, arguments)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return out_dir
+
+
+def _write_build(out_dir: Path, vocabulary_texts: list[str], arguments: dict[str, Any]) -> None:
+    """The model and processor of `arguments` (their weights from its seed), saved into `out_dir` with
+    the record of what was built, written last."""
+    arch = arguments["arch"]
+    build = _build_tiny_llava if arch == "tiny_llava" else _build_tiny_qwen2_vl
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(arguments["seed"])
+        model, processor = build(vocabulary_texts, **{k: arguments[k] for k in _SIZE_KEYS})
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    if arch == "tiny_qwen2_vl":
+        _write_qwen2_vl_video_config(out_dir, image_size=arguments["image_size"], patch_size=arguments["patch_size"])
+    (out_dir / _MARKER).write_text(json.dumps(arguments, indent=2) + "\n")
 
 
 _SIZE_KEYS = (
@@ -258,8 +265,6 @@ def _build_tiny_llava(
         extra_special_tokens={"image_token": "<image>"},
         chat_template=_LLAVA_CHAT_TEMPLATE,
     )
-    token_id = tokenizer.convert_tokens_to_ids
-    num_patches = (image_size // patch_size) ** 2
     vision_config = CLIPVisionConfig(
         hidden_size=vision_hidden_size,
         intermediate_size=4 * vision_hidden_size,
@@ -269,28 +274,7 @@ def _build_tiny_llava(
         patch_size=patch_size,
         projection_dim=vision_hidden_size,
     )
-    text_config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=4 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=max(1, hidden_size // 32),
-        num_key_value_heads=max(1, hidden_size // 32),
-        max_position_embeddings=2048,
-        pad_token_id=token_id("<pad>"),
-        bos_token_id=token_id("<s>"),
-        eos_token_id=token_id("</s>"),
-    )
-    config = LlavaConfig(
-        vision_config=vision_config,
-        text_config=text_config,
-        image_token_index=token_id("<image>"),
-        image_seq_length=num_patches,
-        # The last layer's features: with a 2-layer tower the usual -2 would leave a layer unused.
-        vision_feature_layer=-1,
-        vision_feature_select_strategy="default",
-    )
-    model = LlavaForConditionalGeneration(config)
+    model = LlavaForConditionalGeneration(_llava_config(tokenizer, vision_config, hidden_size, num_layers))
     _set_generation_tokens(model, tokenizer)
     image_processor = CLIPImageProcessorPil(
         size={"height": image_size, "width": image_size},
@@ -310,6 +294,33 @@ def _build_tiny_llava(
     return model, processor
 
 
+def _llava_config(
+    tokenizer: PreTrainedTokenizerFast, vision_config: CLIPVisionConfig, hidden_size: int, num_layers: int
+) -> LlavaConfig:
+    token_id = tokenizer.convert_tokens_to_ids
+    text_config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=max(1, hidden_size // 32),
+        num_key_value_heads=max(1, hidden_size // 32),
+        max_position_embeddings=2048,
+        pad_token_id=token_id("<pad>"),
+        bos_token_id=token_id("<s>"),
+        eos_token_id=token_id("</s>"),
+    )
+    return LlavaConfig(
+        vision_config=vision_config,
+        text_config=text_config,
+        image_token_index=token_id("<image>"),
+        image_seq_length=(vision_config.image_size // vision_config.patch_size) ** 2,
+        # The last layer's features: with a 2-layer tower the usual -2 would leave a layer unused.
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+    )
+
+
 def _build_tiny_qwen2_vl(
     vocabulary_texts: list[str],
     *,
@@ -327,24 +338,45 @@ def _build_tiny_qwen2_vl(
         eos_token="<|im_end|>",
         chat_template=_QWEN2_VL_CHAT_TEMPLATE,
     )
+    vision_config = {
+        "depth": vision_layers,
+        "embed_dim": vision_hidden_size,
+        "hidden_size": hidden_size,
+        "num_heads": max(1, vision_hidden_size // 32),
+        "mlp_ratio": 4,
+        "patch_size": patch_size,
+        "spatial_merge_size": 2,
+        # Still images only: one frame per patch, so pixel_values are not duplicated in time.
+        "temporal_patch_size": 1,
+    }
+    model = Qwen2VLForConditionalGeneration(_qwen2_vl_config(tokenizer, vision_config, hidden_size, num_layers))
+    _set_generation_tokens(model, tokenizer)
+    # min = max pixels: every image is resized to image_size x image_size, i.e.
+    # (image_size / patch_size)^2 patches, merged 2x2 into a handful of language tokens.
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=image_size * image_size,
+        max_pixels=image_size * image_size,
+        patch_size=patch_size,
+        temporal_patch_size=1,
+        merge_size=2,
+    )
+    processor = ImagesOnlyQwen2VLProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=_QWEN2_VL_CHAT_TEMPLATE
+    )
+    return model, processor
+
+
+def _qwen2_vl_config(
+    tokenizer: PreTrainedTokenizerFast, vision_config: dict[str, Any], hidden_size: int, num_layers: int
+) -> Qwen2VLConfig:
     token_id = tokenizer.convert_tokens_to_ids
     heads = max(1, hidden_size // 32)
     head_dim = hidden_size // heads
     # Multimodal RoPE splits each head's rotary half (head_dim / 2) into temporal/height/width sections.
     half = head_dim // 2
     mrope_section = [half - 2 * (half // 3), half // 3, half // 3]
-    config = Qwen2VLConfig(
-        vision_config={
-            "depth": vision_layers,
-            "embed_dim": vision_hidden_size,
-            "hidden_size": hidden_size,
-            "num_heads": max(1, vision_hidden_size // 32),
-            "mlp_ratio": 4,
-            "patch_size": patch_size,
-            "spatial_merge_size": 2,
-            # Still images only: one frame per patch, so pixel_values are not duplicated in time.
-            "temporal_patch_size": 1,
-        },
+    return Qwen2VLConfig(
+        vision_config=vision_config,
         text_config={
             "vocab_size": len(tokenizer),
             "hidden_size": hidden_size,
@@ -363,21 +395,6 @@ def _build_tiny_qwen2_vl(
         vision_start_token_id=token_id("<|vision_start|>"),
         vision_end_token_id=token_id("<|vision_end|>"),
     )
-    model = Qwen2VLForConditionalGeneration(config)
-    _set_generation_tokens(model, tokenizer)
-    # min = max pixels: every image is resized to image_size x image_size, i.e.
-    # (image_size / patch_size)^2 patches, merged 2x2 into a handful of language tokens.
-    image_processor = Qwen2VLImageProcessorPil(
-        min_pixels=image_size * image_size,
-        max_pixels=image_size * image_size,
-        patch_size=patch_size,
-        temporal_patch_size=1,
-        merge_size=2,
-    )
-    processor = ImagesOnlyQwen2VLProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, chat_template=_QWEN2_VL_CHAT_TEMPLATE
-    )
-    return model, processor
 
 
 def _write_qwen2_vl_video_config(out_dir: Path, *, image_size: int, patch_size: int) -> None:

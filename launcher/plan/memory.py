@@ -175,28 +175,35 @@ def model_state_bytes(total: int, trainable: int, layout: Layout, *, persistent:
 
     offload_optimizer = layout.offload_optimizer if stage > 0 else "none"
     if offload_optimizer != "none":
-        cpu_grads = 4 * part  # the fp32 gradient partition the CPU step reads
-        if stage == 3:
-            cpu_grads += e * part  # 16-bit gradient partitions, kept next to the CPU optimizer
-            grads = cpu_grads
-        else:
-            params += e * part  # the 16-bit partition the CPU step writes, then copied to the device
-            if layout.grad_accum > 1:
-                cpu_grads += e * part  # gradients accumulated on the CPU between steps
-            # stage 2 keeps no gradient partition on the device; stage 1 still accumulates full ones
-            grads = cpu_grads + (e * trainable if stage == 1 else 0)
-        offloaded = master + optimizer + cpu_grads + (0 if stage == 3 else e * part)
-        if offload_optimizer == "nvme":
-            on_nvme += master + optimizer + 4 * part
-            on_cpu += offloaded - (master + optimizer + 4 * part)
-        else:
-            on_cpu += offloaded
+        params, grads, on_cpu, on_nvme = _optimizer_offload(layout, e, part, trainable, params, master + optimizer)
     if stage == 3 and layout.offload_param != "none":
         if layout.offload_param == "nvme":
             on_nvme += partitions
         else:
             on_cpu += partitions
     return ModelStates(params, grads, master, optimizer, on_cpu, on_nvme)
+
+
+def _optimizer_offload(
+    layout: Layout, e: int, part: int, trainable: int, params: int, states: int
+) -> tuple[int, int, int, int]:
+    """(parameters, gradients on the device, bytes on the CPU, bytes on NVMe) of `model_state_bytes` when
+    the optimizer is offloaded; `states` are the master weights and Adam states it moves."""
+    stage = layout.stage
+    cpu_grads = 4 * part  # the fp32 gradient partition the CPU step reads
+    if stage == 3:
+        cpu_grads += e * part  # 16-bit gradient partitions, kept next to the CPU optimizer
+        grads = cpu_grads
+    else:
+        params += e * part  # the 16-bit partition the CPU step writes, then copied to the device
+        if layout.grad_accum > 1:
+            cpu_grads += e * part  # gradients accumulated on the CPU between steps
+        # stage 2 keeps no gradient partition on the device; stage 1 still accumulates full ones
+        grads = cpu_grads + (e * trainable if stage == 1 else 0)
+    offloaded = states + cpu_grads + (0 if stage == 3 else e * part)
+    if layout.offload_optimizer == "nvme":
+        return params, grads, offloaded - (states + 4 * part), states + 4 * part
+    return params, grads, offloaded, 0
 
 
 def activation_bytes(stats: ModelStats, layout: Layout, *, seq_len: int, images: int) -> int:
