@@ -15,7 +15,7 @@ names `.whl`). Steps, each under its own time limit and all under one deadline (
   ops       JIT-builds the DeepSpeed ops the presets use (cpu_adam, for optimizer offload), each under
             its own timeout, with DS_SKIP_CUDA_CHECK=1 (DeepSpeed otherwise refuses an nvcc whose CUDA
             version differs from torch's) and any lock a killed build left removed first
-  pytest    `pytest -m gpu` (tests/test_gpu.py: ZeRO 0-3 in bf16 and fp16, loss scale, memory
+  pytest    `pytest -m gpu` (tests/gpu/test_cuda.py: ZeRO 0-3 in bf16 and fp16, loss scale, memory
             metrics, pinned loader, offload, QLoRA and flash attention where installed)
   train     `python train.py` on the tiny built-in model at z0/z2/z3 in bf16 and once in fp16 (fp32 in
             CPU mode, where fp16 is refused): a row per run as it finishes

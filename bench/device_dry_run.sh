@@ -7,7 +7,7 @@
 #       bitsandbytes/wandb when carried, launcher.launch.run, launcher.train.trainer: versions and paths;
 #   (b) python train.py train.max_steps=3 logger=none: exit 0 and summary.json (CPU, tiny model; may
 #       JIT-build a DeepSpeed op into DIR/torch_extensions);
-#   (c) python -m pytest -m gpu -q --co collects tests/test_gpu.py;
+#   (c) python -m pytest -m gpu -q --co collects tests/gpu/test_cuda.py;
 #   (d) DeepSpeed JIT-builds cpu_adam from the --target install's sources (60-75 s on 2 cores, every run:
 #       the fresh install renews the sources' mtimes, so ninja rebuilds; fused_adam needs a GPU).
 #

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fills .whl/ (repo root, git-ignored) with the wheels a lent GPU machine (nvidia-h200) lacks for this
-# project: `python train.py`, `pytest` (tests/test_gpu.py's QLoRA case too) and the bench scripts.
+# project: `python train.py`, `pytest` (tests/gpu/test_cuda.py's QLoRA case too) and the bench scripts.
 #
 #   bash bench/device_wheels.sh                  # about 25 s; the first run also makes the build venv (~1 min)
 #   WITH_WANDB=1 bash bench/device_wheels.sh     # + wandb and its needs (+21.8 MB, see below)
@@ -50,14 +50,14 @@
 #    platformdirs, opentelemetry-* x8, googleapis-common-protos, protobuf 7). With it .whl is 53.7 MB in
 #    51 wheels, without it 31.8 MB in 36; the tracked tree is 1.3 MB and a call carries 64 MiB (67.1 MB)
 #    in all, so it fits but not comfortably. Without it, runs on the GPU machine use `logger=none`
-#    (tests/test_gpu.py and bench/tune_gpu.sh do) and tests that need wandb fail there. WITH_WANDB=1.
+#    (tests/gpu/test_cuda.py and bench/tune_gpu.sh do) and tests that need wandb fail there. WITH_WANDB=1.
 #  - bitsandbytes 0.50.2's wheel (py3-none-manylinux_2_24_x86_64) is 41 MB, mostly one CUDA library per
 #    CUDA version (cuda118 ... cuda132, rocm*, xpu*). It does not fit as is, so it travels re-packed
 #    (`wheel unpack`/`wheel pack`, RECORD regenerated) with only libbitsandbytes_cpu.so and
 #    libbitsandbytes_cuda130.so, the one it loads for torch.version.cuda 13.0 (3.6 MB). WITH_BNB=0
 #    leaves it out.
 #  - flash-attn: PyPI has its sdist only (no wheel); it compiles its CUDA kernels against torch, far too
-#    long for a lent machine's minutes. tests/test_gpu.py's flash-attention case skips without it.
+#    long for a lent machine's minutes. tests/gpu/test_cuda.py's flash-attention case skips without it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -55,7 +55,13 @@ def _cpu_has_fp16() -> bool:
 no_fp16 = pytest.mark.skipif(_has_cuda() or _cpu_has_fp16(), reason="this machine supports fp16")
 
 # A short job of the built-in model and data: what most tests that train run.
-QUICK = ("logger=none", "train.max_steps=2", "train.micro_batch_size=4", "train.eval_every=0", "data.eval_accuracy=false")
+QUICK = (
+    "logger=none",
+    "train.max_steps=2",
+    "train.micro_batch_size=4",
+    "train.eval_every=0",
+    "data.eval_accuracy=false",
+)
 
 
 # ----------------------------------------------------------------------------- configs
@@ -135,9 +141,13 @@ def one_rank_group() -> Iterator[None]:
     """This process as rank 0 of a one-rank gloo group, for trainers run in it (`train_here`)."""
     import torch.distributed as dist
 
+    from launcher.train.ops import interpreter_path
+
+    # PATH as a rank's (the interpreter's ninja first): else this process and the ranks would each
+    # rebuild the other's DeepSpeed ops (launcher.train.ops).
     rank_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
-    saved = {key: os.environ.get(key) for key in (*rank_env, "MASTER_PORT")}
-    os.environ.update({**rank_env, "MASTER_PORT": str(free_port())})
+    saved = {key: os.environ.get(key) for key in (*rank_env, "MASTER_PORT", "PATH")}
+    os.environ.update({**rank_env, "MASTER_PORT": str(free_port()), "PATH": interpreter_path(os.environ["PATH"])})
     dist.init_process_group("gloo")
     try:
         yield

@@ -151,13 +151,7 @@ def _composed(cfg: Mapping[str, Any], batch: BatchSizes, dtype: str, hidden_size
         "zero_optimization": zero_block,
         "fp16": fp16,
         "bf16": {"enabled": dtype == "bf16"},
-        "optimizer": {
-            "type": "AdamW",
-            # torch's fused AdamW: DeepSpeed would JIT-compile its fused_adam op (a minute) for the same
-            # update at the same speed (bench/optimizer.py). Offloaded optimizer states keep DeepSpeed's
-            # compiled CPU Adam (launcher.train.ops).
-            "params": {} if offload["optimizer"] != "none" else {"torch_adam": True, "fused": True},
-        },
+        "optimizer": {"type": "AdamW", "params": {}},  # which AdamW runs: `_choose_adam`, on the final dict
         "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_type": "linear"}},
     }
     for path, value in train_values(train, batch, composed_only=True).items():
@@ -371,8 +365,22 @@ def build_ds_config(
             "check the spelling against the DeepSpeed config docs"
         )
     final = deep_merge(composed, extra)
+    if "optimizer" not in (base or {}):  # a base's own optimizer block is taken whole
+        _choose_adam(final)
     check_ds_config(final, world_size=world_size, device=device)
     return final
+
+
+def _choose_adam(ds: dict[str, Any]) -> None:
+    """The composed AdamW: torch's fused one, where DeepSpeed would JIT-compile its fused_adam op (a minute)
+    for the same update at the same speed (bench/optimizer.py); DeepSpeed's compiled CPU Adam where the
+    final dict offloads the optimizer states, whichever source (group, base JSON, extra) offloads them
+    (launcher.train.ops)."""
+    optimizer = ds["optimizer"]
+    offload = ((ds.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device", "none")
+    chosen = "torch_adam" in optimizer["params"]  # deepspeed_extra chose
+    if offload in (None, "none") and str(optimizer.get("type")).lower() == "adamw" and not chosen:
+        optimizer["params"] = {**optimizer["params"], "torch_adam": True, "fused": True}
 
 
 def explicit_groups_from_overrides(overrides: list[str]) -> frozenset[str]:

@@ -17,6 +17,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from launcher.core.rundir import RunDir
+
 
 # ----------------------------------------------------------------------------- closed choices
 # Every field with a closed set of values is an enum: OmegaConf refuses anything else when the config
@@ -391,7 +393,7 @@ def run_dir_of(resume: str | None, fresh: str) -> str:
     if resume in (None, "", "auto", "null"):
         return fresh
     run_dir = Path(str(resume)).expanduser().absolute()
-    return str(run_dir) if (run_dir / ".hydra" / "overrides.yaml").is_file() else fresh
+    return str(run_dir) if RunDir(run_dir).is_run() else fresh
 
 
 # ----------------------------------------------------------------------------- the typed form

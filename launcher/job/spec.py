@@ -163,12 +163,13 @@ class Job:
         )
 
     def summary(self) -> Summary:
-        """The summary of this job before it has produced anything."""
+        """The summary of this job before it has produced anything (its command line without credentials:
+        a rank's job has the real values back, and summary.json is a file like any other)."""
         return Summary.planned(
             world_size=self.world_size,
             zero_stage=self.zero_stage,
             precision=self.precision,
-            overrides=self.hydra.overrides,
+            overrides=[credentials.redact_override(str(item)) for item in self.hydra.overrides],
             choices=self.labels,
         )
 

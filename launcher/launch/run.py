@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -160,10 +161,13 @@ class _Attempt:
         config, length = training_length(config)
         if length is not None:
             self.say(length)
-        job = plan_job(config, hydra).replace(launch_id=slurm.launch_id(config.dist), model_path=model_dir(config))
+        job = plan_job(config, hydra).replace(launch_id=slurm.launch_id(config.dist))
         check_inputs(config, job, launching=not config.dry_run)
+        job = job.replace(model_path=model_dir(config))  # a tiny model is built here, once, for every rank
         _check_memory(config, job, self.say)
         job = self._resume(config, job, cfg, hydra)
+        if self.done is not None:  # a finished run: nothing to plan, and its files stay as they are
+            return job, {}
         return job, self._write_plan(job)
 
     def _resume(self, config: Config, job: Job, cfg: DictConfig, hydra: HydraJob) -> Job:
@@ -209,6 +213,8 @@ class _Attempt:
     def failed(self, err: LauncherError) -> Outcome:
         """The outcome of a job refused or failed: its summary (unless a refused resume, which leaves the run
         as it was) and, under SLURM, the record the other tasks wait on instead of a plan."""
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":  # the traceback behind the one line, as docs/errors.md says
+            self.say(traceback.format_exc().rstrip())
         message = one_line(err)
         status = "interrupted" if isinstance(err, Interrupted) else "failed"
         if self.accepted:

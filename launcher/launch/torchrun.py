@@ -28,8 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         codes = [failure.exitcode for failure in err.failures.values()]
         if 2 in codes:
             return 2
+        # The first failure is the cause: torchrun lists the ranks it then stopped itself (SIGTERM) too.
+        first = err.get_first_failure()[1].exitcode
         # A rank ended by a signal (the out-of-memory killer's SIGKILL): 128 + N, as a shell reports it.
-        return next((128 - code for code in codes if code < 0), 1)
+        return 128 - first if first < 0 else 1
     return 0
 
 

@@ -113,7 +113,7 @@ def _compact_alternation(names: list[str], all_names: list[str]) -> str:
 def modules_to_save(model: nn.Module, method: Any, model_cfg: Any) -> list[str]:
     """Full names of the modules trained in full beside the adapters (component aliases resolved)."""
     paths = component_paths(model)
-    frozen = {c for c in COMPONENTS if model_cfg[f"freeze_{c}"]}
+    frozen = {c for c in COMPONENTS if getattr(model_cfg, f"freeze_{c}")}
     names = {name for name, _ in model.named_modules()}
     saved = []
     for entry in (str(m) for m in method.modules_to_save):

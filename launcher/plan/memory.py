@@ -2,7 +2,7 @@
 
 No torch, no I/O. Every formula is stated in the docstring of the function that applies it; the
 planner (`launcher.plan`) feeds it the counts `launcher.model_stats` takes from a model built on the
-meta device, and tests/test_plan.py checks the model-state figures against real DeepSpeed engines.
+meta device, and tests/unit/plan/test_memory.py checks the model-state figures against real DeepSpeed engines.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ GiB = 2**30
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 # The presets in conf/deepspeed, fastest first: (zero stage, offload.optimizer, offload.param).
-# tests/test_plan.py checks this table against the composed presets.
+# tests/unit/plan/test_memory.py checks this table against the composed presets.
 PRESETS: dict[str, tuple[int, str, str]] = {
     "z0": (0, "none", "none"),
     "z1": (1, "none", "none"),

@@ -160,7 +160,7 @@ def preflight(cfg: Config, spec: Job) -> str | None:
     precision, to name the fastest one expected to fit). Problems training would also hit (an
     unreadable model.path) raise LauncherError.
     """
-    stats = model_stats(cfg)
+    stats = model_stats(cfg, path=spec.model_path)  # the job's model, already resolved (None: resolved here)
     target = target_device(cfg.plan)
     seq_len, images = sequence(cfg, stats)
     layout = layout_from_ds_config(spec.ds_config, world_size=spec.world_size, ranks_per_node=spec.ranks_per_node)

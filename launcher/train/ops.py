@@ -35,7 +35,8 @@ _prepared = False
 
 def prepare_ops() -> None:
     """Call before `deepspeed.init_distributed`: no shared-memory comm op, builds announced. The ninja that
-    builds them is the interpreter's: a rank's PATH has its bin directory first (`interpreter_path`)."""
+    builds them is the interpreter's: a rank's PATH has its bin directory first (`interpreter_path`; a process
+    that trains in itself, such as a test, sets its own PATH so), or each would rebuild the other's ops."""
     global _prepared
     if _prepared:
         return

@@ -177,6 +177,11 @@ def run_candidate(t: Tuning, result: Result, tune_cfg: TuneConfig) -> None:
         outcome = run_job(compose(overrides), job, say=to_log, rank_env=rank_env, output=log_file)
     finally:
         watcher.stop()
+    if watcher.decided:  # the ranks were ended on purpose: say so before the job's own last line
+        status, note = watcher.decided[0]
+        to_log(f"tune: {candidate.name} ended by the tuner: {status}" + (f" ({note})" if note else ""))
+    for line, _ in outcome.lines():  # how the job ended (its error line), as train.py would print it
+        to_log(line)
     _settle(t, result, watcher, outcome, tune_cfg, started, log_file)
 
 

@@ -45,6 +45,7 @@ from launcher.config.ranges import check_config
 from launcher.config.schema import Config, plain, typed
 from launcher.core import credentials
 from launcher.core.errors import LauncherError, one_line
+from launcher.core.rundir import RunDir
 from launcher.job.planning import plan_job
 from launcher.job.spec import HydraJob, Job
 from launcher.model.stats import model_stats, sequence
@@ -199,7 +200,7 @@ def check_best(t: Tuning, best: Result) -> str:
     ]
     done = subprocess.run(command, capture_output=True, text=True)
     try:
-        produced = json.loads((check_dir / "ds_config.json").read_text())
+        produced = json.loads(RunDir(check_dir).ds_config.read_text())
     except (OSError, ValueError):
         return f"NOT verified: the dry run of best.yaml failed ({error_line(done.stderr)})"
     if best.ds_config is None:

@@ -11,7 +11,6 @@ launcher process; tune, compare and export the tools on top. docs/development.md
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 from tests.helpers import ROOT
 

@@ -1,0 +1,211 @@
+"""Preemption and kills, as schedulers deliver them, then `resume=`: `python train.py` in its own process
+group, stopped by SIGTERM (saved, "preempted", exit 143) and killed by SIGKILL (after a checkpoint, and
+during a save), at one rank and at two (torchrun, ZeRO-3); each resumed run ends with the losses of an
+uninterrupted one, bitwise.
+
+Resume decisions and resumes without a signal: tests/unit/job/test_resume.py and
+tests/unit/train/test_trainer.py (the resume matrix at one rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+
+from launcher.core.rundir import RunDir
+from launcher.train.faults import FAULT_ENV, SLOW_SAVE_ENV
+from tests.helpers import losses, read_metrics, read_summary, run_here, start_train, train_here
+from tests.unit.train.test_trainer import plain
+
+pytestmark = pytest.mark.slow
+
+N = 4  # a checkpoint every N steps; runs are 2N steps
+RUN = (
+    "logger=none",
+    "train.micro_batch_size=8",
+    f"train.max_steps={2 * N}",
+    f"train.save_every={N}",
+    "train.eval_every=0",
+    "data.eval_accuracy=false",
+    "train.seed=1",
+)
+# Two ranks: ZeRO-3 on 44 records (2 micro-batches a rank and epoch, 6 dropped), DataLoader workers,
+# evaluations between checkpoints; a checkpoint every 3 steps (mid-epoch at 3 and 9, an epoch's end at 6).
+STEPS, SAVE = 12, 3
+TWO_RANKS = (
+    "logger=none",
+    "train.micro_batch_size=8",
+    f"train.max_steps={STEPS}",
+    f"train.save_every={SAVE}",
+    "train.keep_checkpoints=10",
+    "train.eval_every=4",
+    "data.eval_accuracy=false",
+    "train.seed=1",
+    "data.n_train=44",
+    "data.n_eval=16",
+    "data.num_workers=2",
+    "dist.nproc_per_node=2",
+    "deepspeed=z3",
+    "dist.timeout_s=300",  # a hang in a collective fails in 5 minutes, not DeepSpeed's 30 (docs/runs.md)
+)
+
+
+def start(env: dict[str, str], run_dir: Path, *args: str) -> subprocess.Popen:
+    """`python train.py ARGS` in its own process group (so the test can signal every process of it)."""
+    return start_train(env, *args, log=run_dir.parent / f"{run_dir.name}-{time.monotonic_ns()}.out")
+
+
+def wait_for(process: subprocess.Popen, condition: Callable[[], bool], timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert process.poll() is None, f"the run ended (code {process.returncode}) before the condition held"
+        assert time.time() < deadline, "timed out waiting for the run"
+        time.sleep(0.05)
+
+
+def last_step(run_dir: Path) -> int:
+    path = RunDir(run_dir).metrics
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return json.loads(lines[-1])["step"] if lines and lines[-1].endswith("}") else 0
+
+
+def latest(run_dir: Path) -> str | None:
+    path = RunDir(run_dir).latest
+    return path.read_text().strip() if path.is_file() else None
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL the job and every rank: torchrun starts its ranks in sessions of their own, so the
+    process group alone would leave them running."""
+    ranks = psutil.Process(process.pid).children(recursive=True)
+    os.killpg(process.pid, signal.SIGKILL)
+    for rank in ranks:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            rank.kill()
+    process.wait(timeout=120)
+    psutil.wait_procs(ranks, timeout=60)
+
+
+def preempt(env: dict[str, str], run_dir: Path, args: tuple[str, ...], total: int) -> int:
+    """Start the job, SIGTERM its launcher once step 2 is recorded: the launcher passes the signal on to
+    the ranks, which save and stop as "preempted" (exit 143). Returns the step it stopped after."""
+    process = start(env, run_dir, *args, f"hydra.run.dir={run_dir}")
+    wait_for(process, lambda: last_step(run_dir) >= 2)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=300) == 143
+    stopped = read_summary(run_dir)
+    assert stopped["status"] == "preempted" and 2 <= stopped["steps"] < total
+    assert latest(run_dir) == f"step{stopped['steps']}" and last_step(run_dir) == stopped["steps"]
+    return stopped["steps"]
+
+
+def resume(run_train, run_dir: Path) -> None:
+    # Only resume= is given: the old run's overrides come back from its run directory.
+    result = run_train(f"resume={run_dir}", timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert read_summary(run_dir)["status"] == "completed"
+
+
+# ----------------------------------------------------------------------------- one rank
+@pytest.fixture(scope="module")
+def uninterrupted(process_group: None, tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The losses of the one-rank job uninterrupted: trained in this process, with a rank's arithmetic."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    ran = run_here(list(RUN), run_dir, start=train_here)
+    assert ran.outcome.status == "completed", ran.outcome.error
+    assert len(losses(run_dir)) == 2 * N
+    return losses(run_dir)
+
+
+def test_a_preempted_run_killed_during_a_save_resumes_to_the_losses_of_an_uninterrupted_one(
+    run_train, isolated_env, tmp_path, uninterrupted
+):
+    """SIGTERM: saved and "preempted". Its resume is SIGKILLed while it saves (the checkpoint's files
+    written, not yet marked complete): the next resume continues from the complete checkpoint before it,
+    and the run ends bitwise where an uninterrupted one does."""
+    run_dir = tmp_path / "run"
+    stopped = preempt(isolated_env, run_dir, RUN, 2 * N)
+
+    slow_save = {**isolated_env, SLOW_SAVE_ENV: "10"}  # seconds between DeepSpeed's save and the marker
+    process = start(slow_save, run_dir, f"resume={run_dir}")
+    final = RunDir(run_dir).checkpoint(f"step{2 * N}")
+    wait_for(process, final.exists)
+    kill_group(process)
+    previous = f"step{max(stopped, N)}"  # the newest complete save before step 2N: N, or where it stopped
+    assert latest(run_dir) == previous and not RunDir(run_dir).marker(f"step{2 * N}").exists()
+
+    resume(run_train, run_dir)
+    assert read_summary(run_dir)["resumed_from_step"] == max(stopped, N)
+    assert [row["step"] for row in read_metrics(run_dir)] == list(range(1, 2 * N + 1))
+    assert losses(run_dir) == uninterrupted  # bitwise: same data order, same states, same arithmetic
+    assert latest(run_dir) == f"step{2 * N}" and RunDir(run_dir).marker(f"step{2 * N}").is_file()
+    kept = {path.name for path in RunDir(run_dir).checkpoints.glob("step*")}
+    assert kept == {previous, f"step{2 * N}"}  # train.keep_checkpoints=2
+    assert (RunDir(run_dir).model / "config.json").is_file()
+
+
+# ----------------------------------------------------------------------------- two ranks
+def final_state(run_dir: Path) -> tuple[list[Any], bytes]:
+    """Every rank's saved random state at the last step (as plain lists), and the final weights' bytes."""
+    last = RunDir(run_dir).checkpoint(f"step{STEPS}")
+    rng = [plain(torch.load(last / f"launcher_rank{r}.pt", weights_only=False)["rng"]) for r in (0, 1)]
+    return rng, (RunDir(run_dir).model / "model.safetensors").read_bytes()
+
+
+def curves(run_dir: Path) -> dict[str, list[float]]:
+    rows = read_metrics(run_dir)
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    return {key: [row[key] for row in rows] for key in ("train/loss", "train/grad_norm", "train/lr")}
+
+
+def test_two_ranks_preempted_then_killed_after_a_checkpoint_resume_bitwise(run_train, isolated_env, tmp_path):
+    """At two ranks (ZeRO-3): SIGTERM reaches the launcher, which passes it on to both ranks; the resume
+    is SIGKILLed, every rank with it, after its next checkpoint; the last resume ends with the loss,
+    gradient-norm and learning-rate curves, every rank's random state and the final weights of an
+    uninterrupted run. Then a copy of that run resumed from the other of the save points 3 (mid-epoch)
+    and 6 (an epoch's end) ends the same."""
+    reference = tmp_path / "reference"
+    result = run_train(*TWO_RANKS, f"hydra.run.dir={reference}", timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected, expected_state = curves(reference), final_state(reference)
+
+    run_dir = tmp_path / "run"
+    stopped = preempt(isolated_env, run_dir, TWO_RANKS, STEPS)
+    saved = (stopped // SAVE + 1) * SAVE  # the resume's next checkpoint
+    assert saved + 2 <= STEPS, f"stopped after step {stopped}: too late for a kill after the next checkpoint"
+    # Step saved+2 hangs on rank 0 (the test's fault hook), so the kill cannot come after the run's short
+    # steps have all finished between two looks at its metrics.
+    hang = {**isolated_env, FAULT_ENV: f"0:{saved + 2}:hang"}
+    process = start(hang, run_dir, f"resume={run_dir}")
+    wait_for(process, lambda: last_step(run_dir) >= saved + 1 and latest(run_dir) == f"step{saved}")
+    kill_group(process)
+    assert last_step(run_dir) == saved + 1
+
+    resume(run_train, run_dir)
+    assert read_summary(run_dir)["resumed_from_step"] == saved
+    assert curves(run_dir) == expected  # steps stopped+1.. came from the first resume, saved+1.. from this one
+    assert final_state(run_dir) == expected_state
+
+    other = 6 if saved == 3 else 3
+    copied = tmp_path / f"from{other}"
+    shutil.copytree(reference, copied)
+    for tag in RunDir(copied).checkpoints.glob("step*"):
+        if tag.name != f"step{other}":
+            shutil.rmtree(tag)
+    RunDir(copied).latest.write_text(f"step{other}")
+    resume(run_train, copied)
+    assert read_summary(copied)["resumed_from_step"] == other
+    assert curves(copied) == expected, f"resumed from step {other}"
+    assert final_state(copied) == expected_state, f"resumed from step {other}"

@@ -1,0 +1,175 @@
+"""launcher.data.cache: the data cache gives the batches the processor gives, bitwise; it is keyed by what
+its tensors depend on, cuts and skips what data.max_length does, and skips (or stops at) undecodable images.
+
+Records here mix one, two and three images with text-only ones (the `mixed_records` fixture), on both tiny
+model families. The guard's dummy image itself: tests/unit/data/test_collate.py.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from launcher.core.errors import LauncherError
+from launcher.data.cache import CachedCollator, CachedDataset, RecordEncoder, cache_key, ensure_cache
+from launcher.data.collate import Collator, fit_records
+from launcher.data.formats import BadRecordError, skipped_entry
+from launcher.data.length import LengthLimit
+from launcher.data.records import ConversationDataset
+from launcher.model.loading import load_model_and_processor
+from tests.unit.data.samples import long_records
+
+
+def build(tmp_path: Path, records: list[dict], processor, *, model: str = "tiny", on_bad_record: str = "error"):
+    return ensure_cache(
+        tmp_path / "data_cache",
+        records,
+        processor,
+        model,
+        RecordEncoder(processor),
+        ConversationDataset(records).__getitem__,
+        on_bad_record=on_bad_record,
+        num_workers=0,
+    )
+
+
+def assert_same_batch(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
+def test_cached_batches_equal_the_processors_bitwise(tmp_path, mixed_records, model_and_processor):
+    _, processor = model_and_processor
+    info = build(tmp_path, mixed_records, processor)
+    assert info.built and (info.records, info.skipped) == (12, 0)
+    cached = CachedDataset(info.path)
+    live = ConversationDataset(mixed_records)
+    for guard in (False, True):
+        collate, cached_collate = (
+            Collator(processor, image_every_batch=guard),
+            CachedCollator(processor, image_every_batch=guard),
+        )
+        for rows in ([0, 1, 2, 3], [2, 3], [5, 10], [0, 4, 8], [0], [3, 7, 11, 1]):
+            expected = collate([live[i] for i in rows])
+            assert_same_batch(cached_collate([cached[i] for i in rows]), expected)
+    assert cached.lengths() == [len(Collator(processor)([live[i]])["input_ids"][0]) for i in range(12)]
+
+
+def test_the_cache_is_reused_and_rebuilt_when_its_inputs_change(tmp_path, mixed_records, model_and_processor):
+    _, processor = model_and_processor
+    first = build(tmp_path, mixed_records, processor)
+    again = build(tmp_path, mixed_records, processor)
+    assert not again.built and again.path == first.path
+    assert build(tmp_path, mixed_records, processor, model="another").path != first.path
+    second_source = [{**r, "source": 1} for r in mixed_records]  # the same records, another mixture position
+    assert build(tmp_path, second_source, processor).path != first.path
+    edited = [dict(r) for r in mixed_records]
+    edited[0] = {**edited[0], "messages": [*edited[0]["messages"][:-1], {"role": "assistant", "content": []}]}
+    assert build(tmp_path, edited, processor).path != first.path
+    image = next(r["images"][0] for r in mixed_records if r["images"])
+    stat = os.stat(image)
+    os.utime(image, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the image file changed
+    try:
+        assert build(tmp_path, mixed_records, processor).path != first.path
+    finally:
+        os.utime(image, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    mean = processor.image_processor.image_mean
+    processor.image_processor.image_mean = [0.1, 0.2, 0.3]  # another processor setting
+    try:
+        assert build(tmp_path, mixed_records, processor).path != first.path
+    finally:
+        processor.image_processor.image_mean = mean
+    assert not [p for p in (tmp_path / "data_cache").iterdir() if p.name.startswith(".")]  # no leftovers
+
+
+def test_the_cache_cuts_and_skips_records_over_max_length_as_the_collator_does(tmp_path, model_and_processor):
+    """data.max_length: the cached path and the uncached path cut and skip the same records the same way."""
+    _, processor = model_and_processor
+    records = long_records(tmp_path)  # short, long answer, long answer before a second image, long prompt
+    limit = LengthLimit(64)
+
+    def build_limited(limit: LengthLimit):
+        return ensure_cache(
+            tmp_path / "data_cache",
+            records,
+            processor,
+            "tiny",
+            RecordEncoder(processor, limit),
+            ConversationDataset(records).__getitem__,
+            on_bad_record="error",  # a record too long is skipped whatever this says
+            num_workers=0,
+        )
+
+    info = build_limited(limit)
+    assert (info.records, info.skipped, info.truncated, info.too_long) == (3, 0, 2, 1)
+    uncached = fit_records(records, processor, limit, num_workers=0)
+    assert info.skip_log == [skipped_entry(str(tmp_path / "long.json"), 3, uncached.skipped[0][1])]
+    cached = CachedDataset(info.path)
+    assert cached.indices == uncached.kept == [0, 1, 2] and max(cached.lengths()) == 64
+    live = ConversationDataset(records)
+    for rows in ([0, 1, 2], [1], [0], [2, 0]):
+        expected = Collator(processor, limit=limit)([live[i] for i in rows])
+        assert_same_batch(CachedCollator(processor)([cached[i] for i in rows]), expected)
+    again = build_limited(limit)  # reused: it still says what it cut and skipped
+    assert not again.built and (again.truncated, again.too_long, again.skip_log) == (2, 1, info.skip_log)
+    assert build_limited(LengthLimit(64, "skip")).path != info.path  # the limit is part of the key
+    assert build_limited(LengthLimit(None)).records == 4
+    records = records[3:]  # the long prompt alone: nothing to train on, one line saying why
+    with pytest.raises(LauncherError, match=r"^data: none of the 1 records fits data.max_length=64 \(1 too long"):
+        build_limited(limit)
+
+
+def test_undecodable_images_are_skipped_while_building_or_stop_it(tmp_path, mixed_records, model_and_processor):
+    _, processor = model_and_processor
+    whole = Path(next(r["images"][0] for r in mixed_records if r["images"]))
+    cut = tmp_path / "cut.png"
+    Image.new("RGB", (64, 64), "red").save(cut)
+    cut.write_bytes(cut.read_bytes()[:60])  # the header survives, the pixels do not
+    records = [dict(r) for r in mixed_records]
+    records[5] = {**records[5], "images": [str(cut)]}
+    assert records[5]["messages"][0]["content"][0] == {"type": "image"} and whole.is_file()
+
+    info = build(tmp_path, records, processor, on_bad_record="skip")
+    assert (info.records, info.skipped) == (11, 1)
+    [entry] = info.skip_log  # for RUN/skipped_records.jsonl: the line data.on_bad_record=error stops with
+    assert (entry["file"], entry["record"]) == (records[5]["file"], 5)
+    assert entry["reason"].startswith(f"{records[5]['where']}: cannot decode image {cut}")
+    assert CachedDataset(info.path).ids == [r["id"] for r in records if r["id"] != "5"]
+    assert CachedDataset(info.path).indices == [i for i in range(12) if i != 5]
+    with pytest.raises(BadRecordError, match=r"record 5: cannot decode image .*cut.png"):
+        build(tmp_path / "strict", records, processor)
+    assert not list((tmp_path / "strict" / "data_cache").iterdir())  # nothing half-built is left
+    with pytest.raises(LauncherError, match="none of the 1 records could be decoded"):
+        build(tmp_path / "none", records[5:6], processor, on_bad_record="skip")
+
+
+def test_the_key_of_a_processor_does_not_change_when_it_encodes(mixed_records, model_and_processor):
+    """A processor that has padded a batch (rank 0's, after building the train split's cache) must give the
+    key a fresh one gives, or every other rank would build its own cache."""
+    _, processor = model_and_processor
+    _, fresh = load_model_and_processor(processor.tokenizer.name_or_path)
+    Collator(processor)(list(ConversationDataset(mixed_records[:4])))
+    assert processor.tokenizer.backend_tokenizer.padding != fresh.tokenizer.backend_tokenizer.padding
+    assert cache_key(mixed_records, processor, "tiny") == cache_key(mixed_records, fresh, "tiny")
+    assert cache_key(mixed_records, processor, "tiny", LengthLimit(64)) != cache_key(mixed_records, processor, "tiny")
+
+
+def test_a_cached_dataset_pickles_without_its_memory_maps(tmp_path, mixed_records, model_and_processor):
+    """DataLoader workers get the dataset pickled and open their own maps; an incomplete cache is refused."""
+    _, processor = model_and_processor
+    info = build(tmp_path, mixed_records, processor)
+    cached = CachedDataset(info.path)
+    first = cached[3]
+    assert cached._maps is not None
+    clone = pickle.loads(pickle.dumps(cached))
+    assert clone._maps is None and (clone.ids, clone.indices) == (cached.ids, cached.indices)
+    assert all(torch.equal(clone[3]["tensors"][name], tensor) for name, tensor in first["tensors"].items())
+    (info.path / "meta.json").unlink()  # what a crash before the last write leaves
+    with pytest.raises(LauncherError, match=r"not a complete data cache; delete it to have it built again"):
+        CachedDataset(info.path)

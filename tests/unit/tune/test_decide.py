@@ -1,0 +1,152 @@
+"""launcher.tune.decide: what the tuner decides from plans and measurements (pure): predictions, pruning,
+skipping, dominance, the loss check, the Pareto front and the pick, and what the measurements say of the
+planner."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.tune import decide
+from launcher.tune.decide import MiB, Result
+from launcher.tune.space import Candidate
+
+
+def result(preset="z0", micro=8, gc=False, precision="fp32", status="fits", rate=None, peak=None, planned=None, **kw):
+    candidate = Candidate(preset, precision, micro, 32 // micro, gc)
+    return Result(
+        candidate,
+        planned=None if planned is None else planned * MiB,
+        status=status,
+        samples_per_s=rate,
+        peak=None if peak is None else peak * MiB,
+        **kw,
+    )
+
+
+# ----------------------------------------------------------------------------- pruning and skipping
+def test_prediction_calibrates_the_plan_by_the_nearest_measured_candidate_of_its_group():
+    measured = result(micro=4, peak=900, planned=400)
+    predicted, basis = decide.predict(Candidate("z0", "fp32", 16, 2, False), 550 * MiB, [measured])
+    assert predicted == 1050 * MiB and "z0-fp32-mb4" in basis
+    # another group: the plan plus the median offset of what was measured
+    others = [measured, result("z2", micro=4, peak=1000, planned=300), result("z3", peak=2000, planned=300)]
+    predicted, basis = decide.predict(Candidate("z1", "fp32", 8, 4, False), 100 * MiB, others)
+    assert predicted == (100 + 700) * MiB and "offset" in basis
+    # nothing measured (or only bounds: a dominated candidate's peak): the plan alone
+    assert decide.predict(Candidate("z1", "fp32", 8, 4, False), 100 * MiB, [result(status="dominated", peak=5)]) == (
+        100 * MiB,
+        "plan alone",
+    )
+
+
+def test_pruning_keeps_a_margin_and_follows_a_smaller_micro_batch_that_did_not_fit():
+    budget = 1000 * MiB
+    measured = [result(micro=4, peak=900, planned=400)]
+    big = Candidate("z0", "fp32", 8, 4, False)
+    assert decide.prune_reason(big, 550 * MiB, measured, budget, margin=0.1) is None  # 1050 <= 1100
+    reason = decide.prune_reason(big, 700 * MiB, measured, budget, margin=0.1)  # 1200 > 1100
+    assert reason and "predicted 1200 MiB" in reason and "tune.margin=0.1" in reason
+    over = [result(micro=4, status="does not fit", peak=1200)]
+    assert "did not fit" in decide.prune_reason(big, None, over, budget, margin=0.1)
+    assert decide.prune_reason(Candidate("z0", "fp32", 2, 16, False), None, over, budget, margin=0.1) is None
+    assert decide.prune_reason(Candidate("z3", "fp32", 8, 4, False), None, over, budget, margin=0.1) is None
+
+
+def test_a_candidate_is_dominated_only_by_a_faster_one_that_used_no_more_memory():
+    fast_small = result(rate=100.0, peak=500)
+    assert decide.dominating(80.0, 600 * MiB, [fast_small], margin=0.1) is fast_small
+    assert decide.dominating(80.0, 400 * MiB, [fast_small], margin=0.1) is None  # it may end below 500 MiB
+    assert decide.dominating(95.0, 600 * MiB, [fast_small], margin=0.1) is None  # within the noise margin
+    assert decide.dominating(80.0, 600 * MiB, [result(status="dominated", rate=200.0, peak=10)], margin=0.1) is None
+
+
+@pytest.mark.parametrize(
+    ("twin_status", "skipped"),
+    [("fits", True), ("dominated", True), ("does not fit", False), ("pruned", False), ("failed", False)],
+)
+def test_checkpointing_is_skipped_only_where_its_twin_without_it_fits_or_lost_to_one_that_does(twin_status, skipped):
+    checkpointed = Candidate("z2", "fp32", 8, 4, True)
+    results = [result("z2", 8, gc=False, status=twin_status, rate=30.0, peak=900)]
+    reason = decide.skip_reason(checkpointed, results)
+    assert (reason is not None) == skipped
+    if skipped:
+        assert reason.startswith("z2-fp32-mb8 (no gradient checkpointing) ") and "recomputation" in reason
+    # Only the exact twin counts: another micro batch, preset or precision says nothing of this one.
+    others = [
+        result("z2", 4, status="fits", rate=30.0, peak=900),
+        result("z0", 8, status="fits", rate=30.0, peak=900),
+        result("z2", 8, precision="bf16", status="fits", rate=30.0, peak=900),
+    ]
+    assert decide.skip_reason(checkpointed, others) is None
+    # A candidate without checkpointing is never skipped this way.
+    assert decide.skip_reason(Candidate("z2", "fp32", 8, 4, False), results) is None
+
+
+# ----------------------------------------------------------------------------- checking, choosing
+def test_first_losses_are_compared_with_the_reference_of_the_same_precision_and_micro_batch():
+    ref = result(losses=[2.0, 1.9, 1.8])
+    close = result("z3", losses=[2.0001, 1.9, 1.8])  # 5e-5 relative
+    off = result("z2", losses=[2.0, 1.9, 1.81])  # 5.6e-3 at step 3
+    other_micro = result("z1", micro=4, losses=[2.5, 2.4, 2.3])  # its own reference
+    bf16_ref, bf16 = result(precision="bf16", losses=[2.0]), result("z3", precision="bf16", losses=[2.02])
+    wrong = decide.loss_mismatches([ref, close, off, other_micro, bf16_ref, bf16], 1e-4, 2e-2)
+    assert set(wrong) == {"z2-fp32-mb8"} and "step 3" in wrong["z2-fp32-mb8"]
+    assert decide.loss_mismatches([ref, result("z2", losses=[float("nan")])], 1e-4, 2e-2)
+
+
+def test_the_pick_is_the_fastest_that_fits_and_the_front_has_no_dominated_point():
+    rows = [
+        result("z0", rate=100.0, peak=900),
+        result("z2", rate=90.0, peak=700),
+        result("z3", rate=60.0, peak=800),  # slower and bigger than z2: off the front
+        result("z1", rate=150.0, peak=2000, status="does not fit"),
+        result("z2_offload", rate=120.0, peak=600, status="wrong"),
+    ]
+    assert decide.pick(rows).name == "z0-fp32-mb8"
+    assert [r.name for r in decide.pareto_front(rows)] == ["z2-fp32-mb8", "z0-fp32-mb8"]
+    assert decide.pick([result(status="does not fit", rate=5.0)]) is None
+    ordered = [r.status for r in decide.ordered(rows)]
+    assert ordered == ["fits", "fits", "fits", "wrong", "does not fit"]
+    # a tie in speed: the one with less memory
+    assert decide.pick([result("z0", rate=50.0, peak=900), result("z2", rate=50.0, peak=700)]).name == "z2-fp32-mb8"
+
+
+# ----------------------------------------------------------------------------- the planner, checked
+def test_the_planner_fit_recovers_ratios_per_component():
+    rows = []
+    for i, (states, acts, bufs) in enumerate([(100, 10, 5), (200, 40, 5), (100, 80, 20), (300, 20, 10), (50, 60, 30)]):
+        r = result(micro=4 + i, peak=0)
+        r.components = {"model states": states * MiB, "activations": acts * MiB, "step+buffers": bufs * MiB}
+        r.planned = sum(r.components.values())
+        r.peak = int((400 + 1.0 * states + 2.0 * acts + 0.5 * bufs) * MiB)
+        rows.append(r)
+    ratios, baseline = decide.planner_fit(rows)
+    assert ratios == pytest.approx({"model states": 1.0, "activations": 2.0, "step+buffers": 0.5}, abs=1e-6)
+    assert baseline == pytest.approx(400 * MiB, rel=1e-6)
+    lines = decide.planner_lines(rows)
+    assert "activations x2.00 (off > 10%)" in lines[0] and "model states x1.00," in lines[0]
+    assert decide.planner_fit(rows[:2]) is None  # 2 candidates cannot tell a ratio from the baseline
+
+
+def test_components_that_vary_together_are_fitted_together():
+    """Model states and step buffers change only with the preset: fitted as one ratio."""
+    rows = []
+    for i, (states, acts) in enumerate([(100, 10), (100, 40), (300, 10), (300, 80), (200, 30)]):
+        r = result(micro=4 + i, peak=0)
+        r.components = {"model states": states * MiB, "activations": acts * MiB, "step+buffers": states // 10 * MiB}
+        r.planned = sum(r.components.values())
+        r.peak = int((400 + 1.5 * (states + states // 10) + 1.0 * acts) * MiB)
+        rows.append(r)
+    ratios, baseline = decide.planner_fit(rows)
+    assert ratios == pytest.approx({"model states + step+buffers": 1.5, "activations": 1.0}, abs=1e-6)
+    assert baseline == pytest.approx(400 * MiB, rel=1e-6)
+
+
+def test_without_a_fit_each_candidate_is_held_against_its_plan():
+    rows = [result(micro=4, peak=1000, planned=500), result(micro=8, peak=530, planned=500)]
+    for r in rows:
+        r.components = {"model states": r.planned}
+    lines = decide.planner_lines(rows)
+    assert lines[0].startswith("measured/planned per component: not separable")
+    assert lines[1] == "planner off by more than 10% (measured / planned): z0-fp32-mb4 x2.00"
+    assert decide.planner_lines(rows[1:])[1] == "every measured peak is within 10% of planned"

@@ -1,0 +1,134 @@
+"""launcher.tune.runner: how the tuner runs one candidate and reads it: throughput, the ranks among its
+children, a job's error line, the per-candidate test hook, its verdicts; and (slow) one candidate run in
+this process (run_job with its rank as a child process), its rank's output in logs/NAME.log."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import yaml
+
+from launcher.core.rundir import RunDir
+from launcher.tune import runner
+from launcher.tune.decide import MiB, Result
+from launcher.tune.report import Tuning
+from launcher.tune.space import Candidate
+from tests.helpers import compose_typed
+
+
+def test_throughput_leaves_the_warm_up_steps_out():
+    records = [
+        {"step": 1, "perf/step_time_s": 5.0, "perf/tokens_per_sec": 10.0},
+        {"step": 2, "perf/step_time_s": 1.0, "perf/tokens_per_sec": 300.0},
+        {"step": 3, "perf/step_time_s": 3.0, "perf/tokens_per_sec": 100.0},
+    ]
+    samples, tokens, steps = runner.measure(records, warmup=1, global_batch=8)
+    assert (samples, tokens, steps) == (pytest.approx(16 / 4), pytest.approx(600 / 4), 2)
+    assert runner.measure(records[:1], warmup=1, global_batch=8) is None
+
+
+def test_the_ranks_are_told_from_their_launchers_and_their_dataloader_workers():
+    rank = ["/v/bin/python", "-u", "-m", "launcher.launch.worker", "/runs/a"]
+    agent = [
+        "/v/bin/python",
+        "-m",
+        "launcher.launch.torchrun",
+        "--nproc-per-node=2",
+        "-m",
+        "launcher.launch.worker",
+        "/runs/a",
+    ]
+    assert runner._runs_module(rank, runner.WORKER) and runner.WORKER == "launcher.launch.worker"
+    assert not runner._runs_module(agent, "launcher.launch.worker")
+    assert not runner._runs_module(["python", "train.py", "-m"], "launcher.launch.worker")
+
+
+def test_a_jobs_error_line_is_its_error_else_its_last_line():
+    assert runner.error_line("starting\nerror: first\nmore\nerror: the last one\ntail\n") == "the last one"
+    assert runner.error_line("one\n  two  \n\n") == "two"
+    assert runner.error_line("") == "no output"
+    assert len(runner.error_line("error: " + "x" * 900)) == 500
+
+
+def test_the_test_hook_sets_variables_of_one_candidate_only(monkeypatch):
+    monkeypatch.setenv(runner.CANDIDATE_ENV, "z2-fp32-mb8:LAUNCHER_TEST_FAULT=0:1:alloc=3000;z2-fp32-mb4:A=1;;")
+    assert runner._candidate_env("z2-fp32-mb8") == {"LAUNCHER_TEST_FAULT": "0:1:alloc=3000"}
+    assert runner._candidate_env("z2-fp32-mb4") == {"A": "1"}
+    assert runner._candidate_env("z0-fp32-mb4") == {}
+
+
+def test_new_metrics_are_read_up_to_the_last_complete_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    assert runner._read_new_records(path, 0) == ([], 0)  # not there yet
+    path.write_text('{"step": 1, "train/loss": 2.0}\n{"step": 2, "train/lo')
+    records, offset = runner._read_new_records(path, 0)
+    assert records == [{"step": 1, "train/loss": 2.0}] and offset == len('{"step": 1, "train/loss": 2.0}\n')
+    with path.open("a") as handle:
+        handle.write('ss": 1.5}\n')
+    assert runner._read_new_records(path, offset)[0] == [{"step": 2, "train/loss": 1.5}]
+
+
+def _tuning(tmp_path, **kw) -> Tuning:
+    return Tuning(tmp_path / "tune", [], global_batch=8, world_size=1, budget=1000 * MiB, budget_source="test", **kw)
+
+
+def test_the_verdicts_on_a_running_candidate(tmp_path):
+    tc = compose_typed(["tune.warmup_steps=1", "tune.measure_steps=2", "tune.candidate_timeout_s=60"]).tune
+    t = _tuning(tmp_path)
+    rows = [{"step": s, "perf/step_time_s": 1.0} for s in (1, 2, 3)]
+    now = time.time()
+    over = runner.Watch(rank_peaks={1: 1200 * MiB}, records=rows[:1])
+    assert runner._verdict(t, over, rows[:1], now, tc) == (
+        "does not fit",
+        "a rank reached 1200 MiB > budget 1000 MiB in step 2",
+    )
+    assert runner._verdict(t, runner.Watch(records=rows), rows, now, tc) == ("fits", "")  # warm-up + measured
+    assert runner._verdict(t, runner.Watch(records=rows[:2]), rows[1:2], now, tc) is None  # one measured step so far
+    status, note = runner._verdict(t, runner.Watch(records=rows[:1]), [], now - 61, tc)
+    assert status == "failed" and "tune.candidate_timeout_s=60 s" in note
+    # a measured candidate twice as fast with no more memory than this one has used: dominated
+    faster = Result(Candidate("z0", "fp32", 8, 1, False), status="fits", samples_per_s=16.0, peak=100 * MiB)
+    t.results = [faster]
+    slow = runner.Watch(rank_peaks={1: 200 * MiB}, records=rows[:2])
+    status, note = runner._verdict(t, slow, rows[1:2], now, tc)
+    assert status == "dominated" and note.startswith("z0-fp32-mb8 is faster (16.00 > 8.00 samples/s after 1 steps)")
+    no_skip = compose_typed(["tune.warmup_steps=1", "tune.measure_steps=2", "tune.early_skip=false"]).tune
+    assert runner._verdict(t, slow, rows[1:2], now, no_skip) is None
+
+
+def test_a_watch_peak_is_the_largest_of_the_ranks_and_of_what_they_report():
+    watch = runner.Watch(rank_peaks={1: 5, 2: 7}, records=[{"step": 1, "mem/peak_bytes": 9}, {"step": 2}])
+    assert watch.peak == 9
+    assert runner.Watch(rank_peaks={1: 5}).peak == 5
+
+
+@pytest.mark.slow
+def test_a_candidate_runs_as_train_py_would_its_rank_logging_to_its_log_file(tmp_path, monkeypatch):
+    """run_job in this process, its rank a child process: measured, then ended by the tuner. The launcher's
+    lines and the rank's output go to logs/NAME.log; run_job writes the candidate's .hydra/."""
+    for key in ("WANDB_MODE", runner.CANDIDATE_ENV):
+        monkeypatch.delenv(key, raising=False)
+    tc = compose_typed(["tune.warmup_steps=1", "tune.measure_steps=2"]).tune
+    t = _tuning(tmp_path, device_kind="cpu")
+    t.budget = 4096 * MiB
+    result = Result(Candidate("z0", "fp32", 4, 2, False))
+    runner.run_candidate(t, result, tc)
+    assert result.status == "fits", result.note
+    assert result.steps == 2 and result.samples_per_s > 0 and result.tokens_per_s > 0
+    assert 100 * MiB < result.peak < t.budget and result.cpu_s > 0 and result.wall_s > 0
+    assert len(result.losses) >= 3 and all(loss > 0 for loss in result.losses)
+    run_dir = RunDir(tmp_path / "tune" / "runs" / "z0-fp32-mb4")
+    assert result.run_dir == str(run_dir.path)
+    log = (tmp_path / "tune" / "logs" / "z0-fp32-mb4.log").read_text()
+    assert log.startswith("job: tiny_llava (full) on 1 rank (cpu), ZeRO 0")  # the launcher's line
+    assert "step 1/4 | loss" in log  # the rank's own output
+    assert "tune: z0-fp32-mb4 ended by the tuner: fits\n" in log  # then the job's own last line
+    overrides = run_dir.read_overrides()
+    assert overrides[: len(Candidate("z0", "fp32", 4, 2, False).overrides(8))] == result.candidate.overrides(8)
+    assert {"train.max_steps=4", "logger=none", "preflight=off"} <= set(overrides)
+    hydra = yaml.safe_load(run_dir.hydra_config.read_text())
+    assert hydra["hydra"]["runtime"]["choices"] == {"deepspeed": "z0", "precision": "fp32"}
+    assert run_dir.config.is_file() and run_dir.job.is_file()
+    assert not runner.rank_processes(os.getpid())  # the tuner ended its rank

@@ -1,0 +1,166 @@
+"""launcher.tune.tuner: the tuning as `python -m launcher.tune` runs it (`main(argv)` in this process): its
+bad input in one line, its candidates planned, and (slow) one real tuning of the built-in tiny model.
+
+The real tuning runs real candidates (run_job, DeepSpeed, each rank a child process), one forced over the
+memory budget and one forced to crash (the fault hook, set for that candidate only), and W&B offline, read
+back with W&B's own CLI. `python -m launcher.tune` as a subprocess is in tests/e2e/test_tools.py.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.core.errors import LauncherError
+from launcher.tune import tuner
+from launcher.tune.decide import MiB
+from launcher.tune.runner import CANDIDATE_ENV
+from tests.helpers import compose_typed, run_here, subprocess_env
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["tune.measure_steps=0"], 2, "tune.measure_steps=0 must be 1 or more"),
+        (["tune.memory_gb=-1"], 2, "tune.memory_gb=-1.0 must be positive"),
+        (["tune.skip_margin=-0.1"], 2, "tune.skip_margin=-0.1 must be positive"),
+        (["tune.micro_batch_sizes=[5]", "train.micro_batch_size=4", "train.global_batch_size=8"], 2, "no candidate"),
+        (["tune.presets=[z9]"], 1, "tune.presets"),
+    ],
+)
+def test_bad_tune_settings_are_one_line(args, code, message, tmp_path, capsys):
+    assert tuner.main(["logger=none", f"tune.dir={tmp_path / 'tune'}", *args]) == code
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], err[-2000:]
+    assert "Traceback" not in err
+    assert not (tmp_path / "tune" / "tune.md").exists()
+
+
+def test_the_candidates_are_planned_before_any_runs(tmp_path):
+    overrides = ["train.micro_batch_size=8", "train.global_batch_size=16", "tune.presets=[z2]", "train.lr=3e-4",
+                 "tune.precisions=[fp32]", "tune.micro_batch_sizes=[4,8,3]", "tune.gradient_checkpointing=[false]",
+                 "tune.memory_gb=2.5", f"tune.dir={tmp_path / 'tune'}", "deepspeed=z3", "logger=none"]  # fmt: skip
+    t = tuner._tuning(compose_typed(overrides), overrides)
+    assert [r.name for r in t.results] == ["z2-fp32-mb4", "z2-fp32-mb8"]
+    assert all(r.status == "not run" for r in t.results)
+    assert t.base == ["train.lr=3e-4"]  # the job's own, less what candidates set and what only the tuner reads
+    assert (t.global_batch, t.world_size, t.budget) == (16, 1, int(2.5 * 2**30))
+    assert t.left_out == ["micro batch 3: the global batch 16 is no multiple of micro batch x 1 rank(s)"]
+    assert t.space_line.startswith(
+        "tune: 2 candidates (1 presets x 1 precisions x 2 micro batch sizes x 1 checkpointing)"
+    )
+    assert "budget 2560 MiB per rank (tune.memory_gb=2.5)" in t.space_line
+    for result in t.results:
+        assert result.planned == sum(result.components.values()) > 0
+        assert set(result.components) == {"model states", "activations", "step+buffers"}
+        assert result.ds_config["zero_optimization"]["stage"] == 2  # the candidate's preset, not the job's z3
+        assert result.ds_config["optimizer"]["params"]["lr"] == 3e-4
+    small, large = t.results
+    assert (
+        large.ds_config["train_micro_batch_size_per_gpu"] == 8 and large.ds_config["gradient_accumulation_steps"] == 2
+    )
+    assert (
+        small.ds_config["train_micro_batch_size_per_gpu"] == 4 and small.ds_config["gradient_accumulation_steps"] == 4
+    )
+    assert small.components["activations"] < large.components["activations"]  # half the micro batch
+    # a tuning directory is never written over
+    (tmp_path / "tune").mkdir()
+    (tmp_path / "tune" / "tune.md").write_text("an earlier tuning")
+    with pytest.raises(LauncherError, match=r"already holds a tuning \(tune.md\): choose a new directory"):
+        tuner._tuning(compose_typed(overrides), overrides)
+
+
+# ----------------------------------------------------------------------------- a real tuning
+def _inspect(run: Path, *, summary: bool) -> dict:
+    wandb_cli = Path(sys.executable).with_name("wandb")
+    out = subprocess.run(
+        [str(wandb_cli), "leet", "inspect", *(["--summary"] if summary else []), "--json", str(run)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    if summary:
+        return json.loads(out.stdout)
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    return next(r for r in records if r.get("type") == "run")["run"]
+
+
+def _csv(path: Path) -> list[dict[str, str]]:
+    with path.open() as handle:
+        return list(csv.DictReader(handle))
+
+
+@pytest.mark.slow
+def test_a_tuning_goes_on_past_a_candidate_over_budget_and_one_that_crashes(tmp_path, monkeypatch, capsys):
+    for key, value in subprocess_env(tmp_path).items():
+        if key.startswith("WANDB_"):
+            monkeypatch.setenv(key, value)
+    # z2-fp32-mb8 holds 3000 MiB more from step 1 (over the 2.5 GiB budget); z2-fp32-mb4 crashes in step 2.
+    monkeypatch.setenv(
+        CANDIDATE_ENV, "z2-fp32-mb8:LAUNCHER_TEST_FAULT=0:1:alloc=3000;z2-fp32-mb4:LAUNCHER_TEST_FAULT=0:2"
+    )
+    directory = tmp_path / "tune"
+    code = tuner.main(
+        [
+            "train.micro_batch_size=8",
+            "train.global_batch_size=16",
+            "tune.presets=[z0,z2]",
+            "tune.precisions=[fp32]",
+            "tune.micro_batch_sizes=[4,8]",
+            "tune.gradient_checkpointing=[false]",
+            "tune.memory_gb=2.5",
+            "tune.early_skip=false",
+            f"tune.dir={directory}",
+        ]
+    )
+    out, err = capsys.readouterr()
+    assert code == 0, out[-3000:] + err[-3000:]
+    rows = {row["candidate"]: row for row in _csv(directory / "tune.csv")}
+    assert {name: row["status"] for name, row in rows.items()} == {
+        "z0-fp32-mb4": "fits",
+        "z0-fp32-mb8": "fits",
+        "z2-fp32-mb4": "failed",
+        "z2-fp32-mb8": "does not fit",
+    }
+    assert "fault injected by LAUNCHER_TEST_FAULT on rank 0 at step 2" in rows["z2-fp32-mb4"]["note"]
+    assert "> budget 2560 MiB" in rows["z2-fp32-mb8"]["note"]
+    assert float(rows["z2-fp32-mb8"]["peak_mib"]) > 2560
+    for name in ("z0-fp32-mb4", "z0-fp32-mb8"):
+        assert float(rows[name]["samples_per_s"]) > 0 and int(rows[name]["measured_steps"]) == 4
+        assert 300 < float(rows[name]["peak_mib"]) < 2560 and float(rows[name]["planned_mib"]) > 0
+    # the same data order and seed: the two micro batch sizes see the same first batch (equal-length records)
+    assert float(rows["z0-fp32-mb4"]["first_loss"]) == pytest.approx(float(rows["z0-fp32-mb8"]["first_loss"]), rel=1e-4)
+    best = max(("z0-fp32-mb4", "z0-fp32-mb8"), key=lambda n: float(rows[n]["samples_per_s"]))
+    report = (directory / "tune.md").read_text()
+    assert f"**Pick: {best}**" in report and "best.yaml: verified" in report
+    assert (directory / "tune.png").stat().st_size > 0 and not list(directory.glob("runs/*/model"))
+    assert f"pick: {best}: fits:" in out and out.splitlines()[-1].startswith("  best.yaml verified")
+    # each candidate's log: the launcher's lines, its rank's output, how it ended (as train.py prints it)
+    crashed = (directory / "logs" / "z2-fp32-mb4.log").read_text()
+    assert crashed.startswith("job: tiny_llava (full) on 1 rank (cpu), ZeRO 2") and "step 1/" in crashed
+    error = crashed.splitlines()[-1]
+    assert error.startswith("error: ") and "fault injected by LAUNCHER_TEST_FAULT on rank 0 at step 2" in error
+    over = (directory / "logs" / "z2-fp32-mb8.log").read_text()
+    assert "tune: z2-fp32-mb8 ended by the tuner: does not fit (a rank reached " in over
+    # best.yaml, composed as train.py composes it, gives the candidate's DeepSpeed dict
+    check = run_here([f"hydra.searchpath=[file://{directory}]", "experiment=best", "dry_run=true"], tmp_path / "check")
+    assert check.outcome.status == "planned", check.error
+    planned = {r["name"]: r for r in json.loads((directory / "results.json").read_text())}[best]["ds_config"]
+    assert json.loads((tmp_path / "check" / "ds_config.json").read_text()) == planned == check.outcome.ds_config
+    # W&B: one run per candidate in one group, and the report run with the table
+    runs = {p.parent.parent.name: p for p in (directory / "wandb_runs").glob("*/wandb/offline-run-*")}
+    assert set(runs) == {*rows, "report"}
+    groups = {_inspect(path, summary=False)["run_group"] for path in runs.values()}
+    assert len(groups) == 1 and groups.pop().startswith("tune-")
+    assert _inspect(runs["z2-fp32-mb8"], summary=True)["summary"]["status"] == "does not fit"
+    report_summary = _inspect(runs["report"], summary=True)["summary"]
+    assert report_summary["pick"] == best and "tune/candidates" in report_summary
+    assert f"W&B: {directory / 'wandb_runs'} (offline" in out
+    assert "MiB" in out and rows[best]["peak_mib"] and float(rows[best]["peak_mib"]) * MiB < 2.5 * 2**30
