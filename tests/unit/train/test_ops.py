@@ -72,8 +72,13 @@ def test_an_offloaded_optimizer_trains_with_torch_adamw_when_cpu_adam_cannot_be_
     train_in_process, tmp_path, monkeypatch, caplog
 ):
     """No C++ compiler (CXX fails) and no cached op: one line says so, and the job trains anyway."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
     monkeypatch.setenv("CXX", "/bin/false")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    # DeepSpeed keeps every op a process loaded (an earlier test in this process may have loaded cpu_adam):
+    # this test is a process that never has.
+    monkeypatch.setattr(OpBuilder, "_loaded_ops", {})
     run_dir = tmp_path / "run"
     with caplog.at_level(logging.WARNING, logger="launcher"):
         ran = train_in_process(
