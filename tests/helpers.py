@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 from omegaconf import DictConfig, OmegaConf
+from PIL import Image
 
 from launcher.config.compose import compose, without_hydra
 from launcher.config.schema import Config, register_configs, typed
@@ -225,6 +226,40 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 def losses(run_dir: Path) -> list[float]:
     return [float(row["train/loss"]) for row in read_metrics(run_dir)]
+
+
+# ----------------------------------------------------------------------------- data as people have it
+COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220)}
+
+
+def write_images(root: Path) -> list[str]:
+    """Images of three colours in three sizes (the processors resize them)."""
+    root.mkdir(parents=True, exist_ok=True)
+    names = []
+    for colour, rgb in COLOURS.items():
+        for size in (24, 40, 56):
+            name = f"{colour}_{size}.png"
+            Image.new("RGB", (size, size + 8), rgb).save(root / name)
+            names.append(name)
+    return names
+
+
+def conversation(index: int, images: list[str]) -> tuple[str, str]:
+    """A question about `images` and its answer (the colours, in order); text-only records chat."""
+    if not images:
+        return f"say the number {index % 7}", f"number {index % 7}"
+    return "which colours?", " ".join(name.split("_")[0] for name in images)
+
+
+def plain(value: Any) -> Any:
+    """Tensors and arrays as lists, recursively, so that saved states compare with ==."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {key: plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(item) for item in value]
+    return value
 
 
 # ----------------------------------------------------------------------------- tools

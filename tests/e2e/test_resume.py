@@ -26,8 +26,7 @@ import torch
 
 from launcher.core.rundir import RunDir
 from launcher.train.faults import FAULT_ENV, SLOW_SAVE_ENV
-from tests.helpers import losses, read_metrics, read_summary, run_here, start_train, train_here
-from tests.unit.train.test_trainer import plain
+from tests.helpers import losses, plain, read_metrics, read_summary, run_here, start_train, train_here
 
 pytestmark = pytest.mark.slow
 

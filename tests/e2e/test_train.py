@@ -27,8 +27,16 @@ from launcher.data.shapes import prepare_data
 from launcher.export.export import export
 from launcher.train.checkpoint import ResumableSampler
 from launcher.train.faults import FAULT_ENV
-from tests.helpers import ROOT, losses, read_metrics, read_summary, run_train_py, subprocess_env
-from tests.unit.train.test_loaders import conversation, write_images
+from tests.helpers import (
+    ROOT,
+    conversation,
+    losses,
+    read_metrics,
+    read_summary,
+    run_train_py,
+    subprocess_env,
+    write_images,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,7 @@
 resume bitwise, and records over data.max_length or bad, cut or skipped and listed.
 
 Ranks whose batches differ in modality (ZeRO-3's guard, the watchdog) need two ranks:
-tests/e2e/test_train.py. The data writers below are shared with it.
+tests/e2e/test_train.py. The data writers are tests/helpers.py's.
 """
 
 from __future__ import annotations
@@ -19,34 +19,14 @@ from PIL import Image
 from launcher.core.rundir import RunDir
 from launcher.data.sampling import MixtureSampler
 from launcher.train.faults import FAULT_ENV
-from tests.helpers import losses, read_metrics, read_summary
+from tests.helpers import conversation, losses, read_metrics, read_summary, write_images
 
 pytestmark = pytest.mark.slow
 
-COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220)}
 QUICK = ("logger=none", "train.eval_every=0", "data.eval_accuracy=false", "train.micro_batch_size=4")
 
 
 # ----------------------------------------------------------------------------- data as people have it
-def write_images(root: Path) -> list[str]:
-    """Images of three colours in three sizes (the processors resize them)."""
-    root.mkdir(parents=True, exist_ok=True)
-    names = []
-    for colour, rgb in COLOURS.items():
-        for size in (24, 40, 56):
-            name = f"{colour}_{size}.png"
-            Image.new("RGB", (size, size + 8), rgb).save(root / name)
-            names.append(name)
-    return names
-
-
-def conversation(index: int, images: list[str]) -> tuple[str, str]:
-    """A question about `images` and its answer (the colours, in order); text-only records chat."""
-    if not images:
-        return f"say the number {index % 7}", f"number {index % 7}"
-    return "which colours?", " ".join(name.split("_")[0] for name in images)
-
-
 def sample_images(index: int, names: list[str]) -> list[str]:
     count = [0, 1, 2, 3][index % 4]  # text-only, one, two and three images
     return [names[(index * 5 + k) % len(names)] for k in range(count)]

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -24,7 +23,7 @@ from launcher.core.rundir import RunDir
 from launcher.data.shapes import generate_shapes
 from launcher.job.spec import Job, read_job
 from launcher.train.faults import FAULT_ENV
-from tests.helpers import losses, read_metrics, read_summary, run_here, train_here
+from tests.helpers import losses, plain, read_metrics, read_summary, run_here, train_here
 
 JOB = (
     "logger=none",
@@ -180,17 +179,6 @@ def final_state(run_dir: Path) -> tuple[Any, bytes]:
     """The saved random state at the last step (as plain lists), and the final weights' bytes."""
     own = torch.load(RunDir(run_dir).checkpoint(f"step{MATRIX_STEPS}") / "launcher_rank0.pt", weights_only=False)
     return plain(own["rng"]), (RunDir(run_dir).model / "model.safetensors").read_bytes()
-
-
-def plain(value: Any) -> Any:
-    """Tensors and arrays as lists, recursively, so that states compare with ==."""
-    if isinstance(value, torch.Tensor | np.ndarray):
-        return value.tolist()
-    if isinstance(value, dict):
-        return {key: plain(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [plain(item) for item in value]
-    return value
 
 
 def curves(run_dir: Path, steps: int) -> dict[str, list[float]]:
