@@ -1,0 +1,95 @@
+"""launcher.job.checks: the rules that need DeepSpeed's classes, the file system or the machine, each
+called on its own. What the user sees of them (one line from `run_job`, before any rank starts):
+tests/unit/launch/test_run.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+from launcher.config.ranges import usable_cores
+from launcher.core.errors import LauncherError
+from launcher.job import checks
+from tests.helpers import compose_typed
+
+
+def _ds(optimizer: dict | None = None, scheduler: dict | None = None, offload: str = "none") -> dict:
+    ds: dict = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": offload}}}
+    if optimizer:
+        ds["optimizer"] = optimizer
+    if scheduler:
+        ds["scheduler"] = scheduler
+    return ds
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "offload", "expected"),
+    [
+        ({"type": "AdamW", "params": {"lr": 1e-3}}, "none", FusedAdam),
+        ({"type": "AdamW", "params": {"lr": 1e-3}}, "cpu", DeepSpeedCPUAdam),
+        ({"type": "adam", "params": {"lr": 1e-3, "adam_w_mode": True}}, "nvme", DeepSpeedCPUAdam),
+        ({"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True, "fused": True}}, "cpu", torch.optim.AdamW),
+        ({"type": "Adagrad", "params": {}}, "none", torch.optim.Adagrad),
+        ({"type": "Adagrad", "params": {}}, "cpu", None),  # DeepSpeed's CPU Adagrad: its own op
+        ({"type": "Lamb", "params": {}}, "none", None),  # checked by DeepSpeed itself
+        ({"type": "SGD", "params": {"lr": 0.1}}, "none", torch.optim.SGD),
+    ],
+)
+def test_the_optimizer_class_is_the_one_deepspeed_builds(optimizer, offload, expected):
+    cls, params = checks._optimizer_class(optimizer, _ds(offload=offload))
+    assert cls is expected
+    # DeepSpeed's own keys never reach the class's signature check.
+    assert not {"torch_adam", "adam_w_mode", "fp32_optimizer_states"} & set(params)
+
+
+def test_an_optimizer_torch_does_not_have_names_the_spelling():
+    with pytest.raises(LauncherError, match=r"optimizer.type=sgd is not an optimizer .* spelt as torch spells it"):
+        checks.check_optimizer_and_scheduler(_ds({"type": "sgd", "params": {}}))
+
+
+def test_unknown_and_missing_parameters_name_the_key():
+    with pytest.raises(LauncherError, match=r"optimizer.params.betas is not a parameter of the optimizer \(type SGD\)"):
+        checks.check_optimizer_and_scheduler(_ds({"type": "SGD", "params": {"lr": 0.1, "betas": [0.9, 0.99]}}))
+    one_cycle = {"type": "OneCycle", "params": {"cycle_min_lr": 0.0}}
+    with pytest.raises(LauncherError, match=r"scheduler.params.cycle_max_lr is required by the scheduler OneCycle"):
+        checks.check_optimizer_and_scheduler(_ds(scheduler=one_cycle))
+    one_cycle["params"]["cycle_max_lr"] = 1e-3
+    checks.check_optimizer_and_scheduler(_ds({"type": "AdamW", "params": {"lr": 1e-3}}, one_cycle))
+
+
+def test_a_torch_scheduler_is_accepted_by_its_own_signature():
+    checks.check_optimizer_and_scheduler(_ds(scheduler={"type": "StepLR", "params": {"step_size": 10}}))
+    with pytest.raises(LauncherError, match=r"scheduler.params.step_size is required by the scheduler StepLR"):
+        checks.check_optimizer_and_scheduler(_ds(scheduler={"type": "StepLR", "params": {}}))
+
+
+def test_an_nvme_path_must_be_a_directory(tmp_path):
+    zero = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}
+    checks.check_paths({"zero_optimization": zero})
+    zero["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path / "missing")}
+    with pytest.raises(LauncherError, match=rf"offload.nvme_path={tmp_path / 'missing'} does not exist"):
+        checks.check_paths({"zero_optimization": zero})
+    checks.check_paths({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "nvme_path": "/x"}}})
+
+
+def test_only_ranks_started_on_this_machine_need_a_core_each():
+    too_many = usable_cores() + 1
+    local = compose_typed([f"dist.nproc_per_node={too_many}"]).dist
+    with pytest.raises(LauncherError, match=rf"dist.nproc_per_node={too_many} is more than the {too_many - 1} CPU"):
+        checks.check_local_ranks(local, "cpu")
+    elsewhere = compose_typed(["dist=slurm", f"dist.nproc_per_node={too_many}"]).dist
+    checks.check_local_ranks(elsewhere, "cpu")  # SLURM places the ranks: its nodes' cores count there
+
+
+def test_deepspeeds_own_models_name_the_section_of_the_key_they_reject():
+    ds = {
+        "train_batch_size": 8,
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "buffer_count": "many"}},
+    }
+    with pytest.raises(LauncherError, match=r"DeepSpeed rejects zero_optimization.offload_optimizer.buffer_count"):
+        checks.validate_with_deepspeed(ds)
+    ds["zero_optimization"]["offload_optimizer"]["buffer_count"] = 4
+    checks.validate_with_deepspeed(ds)  # train_batch_size is the world's: DeepSpeed is shown one rank's
