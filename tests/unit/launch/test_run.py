@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -31,7 +32,7 @@ import pytest
 
 from launcher.config.schema import run_dir_of
 from launcher.core.overrides import argument
-from tests.helpers import QUICK, Ran, cpu_only, no_fp16, read_summary, run_here
+from tests.helpers import QUICK, ROOT, Ran, cpu_only, no_fp16, read_summary, run_here
 
 GOOD = {
     "image": "images/ok.png",
@@ -886,3 +887,19 @@ def test_a_failed_data_cache_write_is_one_line_and_leaves_no_cache_that_looks_co
     assert_not_repeated_by_the_rank(message, capfd, caplog)
     assert not list((cache / "data_cache").rglob("meta.json"))  # nothing that looks complete
     assert not list((cache / "data_cache").iterdir())  # the partial build is removed
+
+
+def test_every_row_of_the_error_table_names_a_test_that_exists():
+    """docs/errors.md tags each row with the id of its test: a case here, a pytest id elsewhere, or the
+    words of a test's name (`[run-dir-in-proc]`: test_a_run_dir_in_proc_is_refused)."""
+    tags = set(re.findall(r"`\[([a-z0-9-]+)\]`", (ROOT / "docs" / "errors.md").read_text()))
+    assert len(tags) > 50
+    cases = {case.id for case in CASES + RANK_CASES + CONFIG_CORE}
+    tests = "\n".join(path.read_text() for path in (ROOT / "tests").rglob("test_*.py"))
+    named = set(re.findall(r"def (test_\w+)", tests))
+    missing = [
+        tag
+        for tag in sorted(tags - cases)
+        if f'"{tag}"' not in tests and not any(tag.replace("-", "_") in name for name in named)
+    ]
+    assert not missing, f"docs/errors.md rows whose test is gone: {missing}"
