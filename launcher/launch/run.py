@@ -130,6 +130,11 @@ def run_job(
         summary = start(job, run_dir, env={**secret_env, **(rank_env or {})}, output=output)
     except LauncherError as err:
         return attempt.failed(err)
+    return _ended(run_dir, summary)
+
+
+def _ended(run_dir: RunDir, summary: Summary) -> Outcome:
+    """The outcome of ranks that ran to their end: completed, or preempted (saved, exit code 143)."""
     if summary.status == "preempted":
         return Outcome(run_dir.path, "preempted", PREEMPTED_EXIT_CODE, summary=summary)
     return Outcome(run_dir.path, "completed", summary=summary)
@@ -218,9 +223,9 @@ class _Attempt:
         message = one_line(err)
         status = "interrupted" if isinstance(err, Interrupted) else "failed"
         if self.accepted:
-            labels = credentials.split({"overrides": list(self.hydra.overrides), "choices": dict(self.hydra.choices)})[
-                0
-            ]
+            labels, _ = credentials.split(
+                {"overrides": list(self.hydra.overrides), "choices": dict(self.hydra.choices)}
+            )
             summary = self.run_dir.read_summary() or Summary.planned(**labels)
             # A resume that failed before its ranks took the run over (they write "running" once its checkpoint
             # has loaded) earned no summary: the run's says how it last ended, and stays.
@@ -314,7 +319,7 @@ def _follow_rank_zero(cfg: DictConfig, run_dir: RunDir, rank_env: Mapping[str, s
         summary = start_ranks(job, run_dir, env=env, primary=False, output=output)
     except LauncherError as err:
         return Outcome(run_dir.path, "failed", err.exit_code, one_line(err))
-    return Outcome(run_dir.path, summary.status, summary=summary)
+    return _ended(run_dir, summary)
 
 
 def _interrupt(signum: int, _frame: object) -> None:
