@@ -10,6 +10,7 @@ its first record (`data.format=auto`) or named:
                                                                   {"role": "assistant", "content": "..."}]}
     messages  {"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"},
                                                          {"type": "text", "text": "..."}]}, ...]}
+              also LLaMA-Factory's v1 files: parts {"type": "image_url" | "text", "value": ...}
 
 Every record becomes {"id", "where", "file", "index", "images": [absolute path | bytes], "messages":
 [{"role", "content": [{"type": "image"} | {"type": "text", "text"}]}]}: chat-template messages whose
@@ -333,14 +334,15 @@ def _typed_messages(raw: dict, where: str) -> tuple[list[dict], list[Any]]:
         parts: list[dict] = []
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text" and isinstance(part.get("text"), str):
-                if IMAGE_PLACEHOLDER in part["text"]:
+            text = _part_text(part) if kind == "text" else None
+            if text is not None:
+                if IMAGE_PLACEHOLDER in text:
                     raise BadRecordError(
                         f"{where}: '{IMAGE_PLACEHOLDER}' in a text part; with typed content give each image as an "
                         "image part ({'type': 'image', ...})"
                     )
-                if part["text"].strip():
-                    parts.append({"type": "text", "text": part["text"].strip()})
+                if text.strip():
+                    parts.append({"type": "text", "text": text.strip()})
             elif kind in ("image", "image_url"):
                 source = _part_image(part)
                 if source is None:
@@ -349,6 +351,8 @@ def _typed_messages(raw: dict, where: str) -> tuple[list[dict], list[Any]]:
                         raise BadRecordError(f"{where}: more image parts than images in 'images'")
                 parts.append({"type": "image"})
                 images.append(source)
+            elif kind in ("video", "video_url", "audio", "audio_url"):
+                raise BadRecordError(f"{where}: a {kind} part: only text and image parts train here")
             else:
                 raise BadRecordError(
                     f"{where}: content part {part!r:.60} is not {{'type': 'text', 'text': ...}} or an image part"
@@ -359,9 +363,19 @@ def _typed_messages(raw: dict, where: str) -> tuple[list[dict], list[Any]]:
     return messages, images
 
 
+def _part_text(part: dict) -> str | None:
+    """A text part's text: {"text": ...} (OpenAI, transformers' chat templates) or {"value": ...}
+    (LLaMA-Factory's v1 data files)."""
+    for key in ("text", "value"):
+        if isinstance(part.get(key), str):
+            return part[key]
+    return None
+
+
 def _part_image(part: dict) -> Any:
-    """The image a content part names itself, or None: {"image": src}, {"path"}, {"url"}, {"image_url": ...}."""
-    for key in ("image", "path", "url"):
+    """The image a content part names itself, or None: {"image": src}, {"path"}, {"url"}, {"value"}
+    (LLaMA-Factory's v1 files), {"image_url": ...}."""
+    for key in ("image", "path", "url", "value"):
         if isinstance(part.get(key), str | bytes | dict):
             return part[key]
     url = part.get("image_url")

@@ -181,6 +181,36 @@ def test_one_messages_file_may_mix_string_and_typed_contents(tmp_path):
     assert records[2]["messages"][0]["content"] == [{"type": "image"}, {"type": "text", "text": "and this?"}]
 
 
+def test_llama_factory_v1_files_name_parts_by_value(tmp_path):
+    """LLaMA-Factory's v1 data files (data/v1_multimodal_demo.jsonl): every part is {"type", "value"}, an
+    image part "image_url" with a path relative to the image root, an image repeated in a later turn."""
+    write_image(tmp_path / "mllm" / "1.jpg")
+
+    def text(value: str) -> dict:
+        return {"type": "text", "value": value}
+
+    picture = {"type": "image_url", "value": "mllm/1.jpg"}
+    row = {
+        "messages": [
+            {"role": "user", "content": [picture, text("Who are they?")]},
+            {"role": "assistant", "content": [text("Two players.")]},
+            {"role": "user", "content": [text("What are they doing?"), picture]},
+            {"role": "assistant", "content": [text("Celebrating.")]},
+        ]
+    }
+    video = {"messages": [{"role": "user", "content": [{"type": "video_url", "value": "v.mp4"}]}, ASSISTANT]}
+    path = write_json(tmp_path / "v1.jsonl", [row, video], lines=True)
+    records, skipped, fmt = read(path, on_bad_record="skip")
+    assert (fmt, skipped, len(records)) == ("messages", 1, 1)
+    (record,) = records
+    assert record["images"] == [str(tmp_path / "mllm" / "1.jpg")] * 2
+    assert record["messages"][0]["content"] == [{"type": "image"}, {"type": "text", "text": "Who are they?"}]
+    assert record["messages"][2]["content"] == [{"type": "text", "text": "What are they doing?"}, {"type": "image"}]
+    assert record["messages"][3] == {"role": "assistant", "content": [{"type": "text", "text": "Celebrating."}]}
+    with pytest.raises(LauncherError, match=r"record 1\): a video_url part: only text and image parts train here"):
+        read(path)
+
+
 def test_typed_records_with_bad_content_are_bad_records(tmp_path):
     rows = [
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "<image> what?"}]}, ASSISTANT]},
