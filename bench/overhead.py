@@ -129,7 +129,8 @@ def hand_loop(ref_run: Path, steps: int, out: Path) -> None:
     # key, not from summary.json: in alternating blocks the reference run is still training.
     base_model = str(Path(model_dir).resolve()) if Path(model_dir).is_dir() else str(model_dir)
     cache_root = Path(cfg.cache_dir).expanduser().absolute() / "data_cache"
-    dataset = CachedDataset(cache_root / cache_key(records, processor, base_model, LengthLimit.of(cfg.data)))
+    key = cache_key(records, processor, base_model, LengthLimit.of(cfg.data), str(cfg.data.cache_images))
+    dataset = CachedDataset(cache_root / key, processor)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)
     workers = int(cfg.data.num_workers)
     loader = DataLoader(

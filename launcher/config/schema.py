@@ -46,6 +46,7 @@ ModelSource = _choice("ModelSource", ("tiny", "pretrained"))
 TinyArch = _choice("TinyArch", ("tiny_llava", "tiny_qwen2_vl"))
 OnBadRecord = _choice("OnBadRecord", ("error", "skip"))
 Truncation = _choice("Truncation", ("truncate", "skip"))
+CacheImages = _choice("CacheImages", ("encoded", "pixels"))
 DataFormat = _choice("DataFormat", ("auto", "llava", "sharegpt", "messages"))
 DistLauncher = _choice("DistLauncher", ("local", "torchrun", "deepspeed", "slurm"))
 DistBackend = _choice("DistBackend", ("auto", "nccl", "gloo", "ccl"))
@@ -243,8 +244,11 @@ class DataConfig:
     # The memory planner plans for it (a batch is padded to its longest record).
     max_length: int | None = 2048
     truncation: Truncation = Truncation.truncate
-    # Decode, resize and tokenize every record once into cache_dir/data_cache (memory-mapped tensors).
+    # Tokenize every record once into cache_dir/data_cache (memory-mapped shards that every rank builds).
     cache: bool = True
+    # How the cache keeps images: encoded (the files' bytes; DataLoader workers decode and process them)
+    # or pixels (the image processor's float32 output: no image work per step, ~50x the disk).
+    cache_images: CacheImages = CacheImages.encoded
     # Batches of records of similar length (less padding); needs data.cache (the lengths come from it).
     group_by_length: bool = False
     # Every batch runs the vision tower (a dummy image where a batch has none), so that ranks whose

@@ -1,31 +1,39 @@
-"""The fast data path: every record decoded, resized and tokenized once, into memory-mapped tensor shards.
+"""The fast data path: every record tokenized once into memory-mapped shards, its images kept encoded.
 
-Without it each step decodes its images and runs the processor again (PIL, resizing, normalising, the
-chat template, the tokenizer): on a small model that is most of a step. With it a step reads ready
-tensors and pads them.
+Without it each step runs the whole processor again (the chat template, the tokenizer, the image
+processor). With it a step reads ready token tensors and pads them; DataLoader workers decode each
+record's images from the bytes stored beside its tokens and run the image processor on them, as the
+processor would (`data.cache_images=encoded`, the default). `data.cache_images=pixels` stores the image
+processor's float32 output instead (4 bytes per value: 1.3 MiB per 336 x 336 image, against the tens of
+KB of its JPEG): no image work left for the workers, for sets small enough to afford the disk.
 
 Layout of one cache (a directory under cache_dir/data_cache/, named by its key):
     meta.json          the key's inputs, record count, the records skipped (and why) and cut, each record's
-                       id, source and position
-    <name>.bin         one flat file per tensor (input_ids, labels, pixel_values, ...), records back to back
-    index.npz          per tensor: the offsets of each record's rows, its dtype and its trailing shape
+                       id, source and position, the shards and every tensor's dtype and trailing shape
+    shards/NNNNN/      the records [N x shard_records, (N+1) x shard_records) that survived:
+        <name>.bin     one flat file per tensor (input_ids, labels, image_bytes, ...), records back to back
+        index.npz      per tensor: the offsets of each record's rows
+        shard.json     what the shard kept, skipped and cut; its presence marks the shard complete
+
+Every rank builds the shards whose number is its rank modulo the world size, at the same time as the
+others (with `data.num_workers` DataLoader workers each); a killed build leaves its complete shards, and
+the next one builds only the others. Rank 0 then writes meta.json, and the build's directory is renamed
+into place: nothing that looks complete exists before the last write.
 
 Why flat files and np.memmap, not the `datasets` Arrow cache: a record is a handful of arrays of
-different lengths (pixel_values is most of the bytes); reading one from a memory map is a slice and a
-copy, with no conversion of nested lists, and the page cache shares the bytes between DataLoader workers
-and ranks on one machine. pixel_values are kept in the processor's dtype (float32), so a cached batch is
-bitwise the batch the processor makes: 4 bytes per value, e.g. 1.3 MiB per 336 x 336 image.
+different lengths; reading one from a memory map is a slice and a copy, with no conversion of nested
+lists, and the page cache shares the bytes between DataLoader workers and ranks on one machine.
 
 The key covers what the tensors and their bookkeeping depend on: the records (source, text, and each
-image's path, size and modification time, or its bytes), the processor (tokenizer, chat template, image settings such as
-min/max pixels), the model, and data.max_length / data.truncation (a record over the limit is stored
-cut, or skipped). A change to any of them builds a new cache; a complete cache is reused.
-A build is written to a temporary directory and renamed into place: a crash leaves nothing that looks
-complete.
+image's path, size and modification time, or its bytes), the processor (tokenizer, chat template, image
+settings such as min/max pixels), the model, data.max_length / data.truncation (a record over the limit
+is stored cut, or skipped) and data.cache_images. A change to any of them builds a new cache; a
+complete cache is reused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -44,25 +52,33 @@ from torch.utils.data import DataLoader, Dataset
 
 from launcher.core.errors import LauncherError, TrainingFailed
 from launcher.data.collate import Collator, add_dummy_image, nothing_fits
-from launcher.data.formats import BadRecordError, skipped_entry
+from launcher.data.formats import BadRecordError, open_image, skipped_entry
 from launcher.data.length import LengthLimit, RecordTooLong, fit_to_length, one_row, pad_rows, unchanged
 
 log = logging.getLogger("launcher")
 
-CACHE_VERSION = 3  # 3: data.max_length in the key; meta.json lists the records skipped and counts those cut
+# 4: images kept encoded (data.cache_images), shards built by every rank; 3: data.max_length in the key
+CACHE_VERSION = 4
 META_FILE = "meta.json"
 INDEX_FILE = "index.npz"
+SHARD_FILE = "shard.json"
+SHARD_RECORDS = 2048  # records per shard: what a killed build loses at most, per rank
+IMAGE_STORAGE = ("encoded", "pixels")
+# The tensors an encoded record holds in place of pixel_values: its images' bytes, and each one's length.
+IMAGE_BYTES, IMAGE_LENGTHS = "image_bytes", "image_lengths"
+PROGRESS_EVERY_S = 30.0
 
 
-def cache_key(records: list[dict], processor: Any, model: str, limit: Any = None) -> str:
-    """A digest of everything a cached tensor depends on (`limit`: a data.LengthLimit, or None)."""
+def cache_key(records: list[dict], processor: Any, model: str, limit: Any = None, images: str = "encoded") -> str:
+    """A digest of everything a cached tensor depends on (`limit`: a data.LengthLimit, or None; `images`:
+    data.cache_images)."""
     digest = hashlib.sha256()
     length = {"max_length": limit.max_length, "truncation": limit.truncation} if limit is not None else None
-    digest.update(json.dumps({"version": CACHE_VERSION, "model": model, "length": length}).encode())
+    digest.update(json.dumps({"version": CACHE_VERSION, "model": model, "length": length, "images": images}).encode())
     digest.update(processor_fingerprint(processor).encode())
     for record in records:
-        images = [_image_identity(image) for image in record["images"]]
-        digest.update(json.dumps([record["id"], record.get("source", 0), record["messages"], images]).encode())
+        identities = [_image_identity(image) for image in record["images"]]
+        digest.update(json.dumps([record["id"], record.get("source", 0), record["messages"], identities]).encode())
     return digest.hexdigest()[:20]
 
 
@@ -97,15 +113,40 @@ def _image_identity(image: str | bytes) -> Any:
 class RecordEncoder:
     """A decoded sample -> (its tensors, whether they were cut): `Collator`'s batch of that one sample,
     without the batch axis, cut to `limit` (data.max_length) as `Collator` cuts it; RecordTooLong when
-    the sample is skipped instead."""
+    the sample is skipped instead. With `images="encoded"` the pixel values give way to the bytes of the
+    images the cut kept (`encoded_images`), which `CachedDataset` turns back into the same pixel values."""
 
-    def __init__(self, processor: Any, limit: Any = None):
+    def __init__(self, processor: Any, limit: Any = None, images: str = "encoded"):
+        if images not in IMAGE_STORAGE:
+            raise LauncherError(f"data.cache_images={images} is not one of {', '.join(IMAGE_STORAGE)}")
         self.processor = processor
         self.collate = Collator(processor)
         self.limit = limit or LengthLimit()
+        self.images = images
 
-    def __call__(self, sample: dict) -> tuple[dict[str, torch.Tensor], bool]:
-        return fit_to_length(one_row(self.collate.labelled([sample])), self.limit, self.processor)
+    def __call__(self, sample: dict, sources: list[str | bytes] | None = None) -> tuple[dict[str, torch.Tensor], bool]:
+        tensors, cut = fit_to_length(one_row(self.collate.labelled([sample])), self.limit, self.processor)
+        if self.images == "encoded" and "pixel_values" in tensors:
+            tensors = {**tensors, **encoded_images(sources or [], kept=_images_kept(tensors))}
+            del tensors["pixel_values"]
+        return tensors, cut
+
+
+def _images_kept(tensors: dict[str, torch.Tensor]) -> int:
+    """How many of a sample's images its (possibly cut) tensors hold: one grid row per image (Qwen2-VL),
+    else one pixel_values row per image (LLaVA)."""
+    grid = tensors.get("image_grid_thw")
+    return len(grid) if grid is not None else len(tensors["pixel_values"])
+
+
+def encoded_images(sources: list[str | bytes], *, kept: int) -> dict[str, torch.Tensor]:
+    """The first `kept` images' file bytes, back to back, and each one's length."""
+    blobs = [source if isinstance(source, bytes) else Path(source).read_bytes() for source in sources[:kept]]
+    joined = np.frombuffer(b"".join(blobs), dtype=np.uint8).copy()
+    return {
+        IMAGE_BYTES: torch.from_numpy(joined),
+        IMAGE_LENGTHS: torch.tensor([len(blob) for blob in blobs], dtype=torch.int64),
+    }
 
 
 @dataclass
@@ -120,6 +161,17 @@ class CacheInfo:
     truncated: int = 0  # records stored cut to data.max_length
     too_long: int = 0  # records over data.max_length that could not be cut (or data.truncation=skip)
     skip_log: list[dict] = field(default_factory=list)  # each skipped record: formats.skipped_entry
+    bytes: int = 0  # the cache's size on disk
+
+
+@dataclass(frozen=True)
+class Part:
+    """Which shards this process builds: those whose number is `rank` modulo `world_size`. `barrier` waits
+    for every rank (a no-op for one process)."""
+
+    rank: int = 0
+    world_size: int = 1
+    barrier: Callable[[], None] = lambda: None
 
 
 def ensure_cache(
@@ -132,70 +184,162 @@ def ensure_cache(
     *,
     on_bad_record: str,
     num_workers: int,
+    part: Part = Part(),
+    shard_records: int = SHARD_RECORDS,
 ) -> CacheInfo:
-    """The cache for these records, built when missing. `load(i)` decodes record i (images and all,
-    raising BadRecordError when it cannot); `encode(sample)` turns it into the record's tensors, cut to
-    its limit (part of the key). A record over the limit that cannot be cut is skipped whatever
-    `on_bad_record` says."""
-    key = cache_key(records, processor, model, encode.limit)
+    """The cache for these records, built when missing, by every rank of `part` at once (each rank calls
+    this). `load(i)` decodes record i (images and all, raising BadRecordError when it cannot); `encode`
+    turns it into the record's tensors, cut to its limit (part of the key). A record over the limit that
+    cannot be cut is skipped whatever `on_bad_record` says."""
+    key = cache_key(records, processor, model, encode.limit, encode.images)
     path = root / key
-    meta = _read_meta(path)
-    if meta is not None:
-        return _info(path, meta, built=False)
-    log.info("data cache: decoding and tokenizing %d records once, into %s", len(records), path)
     started = time.perf_counter()
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
-    tmp.chmod(0o755)
-    try:
+    existed = _read_meta(path) is not None
+    building = root / f".{key}.building"  # shared by every rank, and by the next attempt of a killed build
+    build = _ShardBuild(building, records, encode, load, on_bad_record, num_workers, shard_records)
+    if not existed:
+        if part.rank == 0:
+            log.info("data cache: tokenizing %d records once, into %s", len(records), path)
+        build.run(range(part.rank, build.shards, part.world_size), progress=part.rank == 0)
+    part.barrier()  # every rank's shards are written
+    if part.rank == 0 and _read_meta(path) is None:
+        build.finish(path, key, model, started)
+    part.barrier()  # meta.json is written
+    meta = _read_meta(path)
+    if meta is None:  # this rank's cache_dir is not rank 0's (another node's own disk): finish it here
+        meta = build.finish(path, key, model, started)
+    return _info(path, meta, built=not existed)
+
+
+class _ShardBuild:
+    """The shards of one cache being built under `building`, and their meta.json once all exist."""
+
+    def __init__(
+        self,
+        building: Path,
+        records: list[dict],
+        encode: RecordEncoder,
+        load: Callable[[int], dict],
+        on_bad_record: str,
+        num_workers: int,
+        shard_records: int,
+    ) -> None:
+        self.building, self.records, self.encode, self.load = building, records, encode, load
+        self.on_bad_record, self.num_workers, self.shard_records = on_bad_record, num_workers, shard_records
+        self.shards = max(1, -(-len(records) // shard_records))
+
+    def shard_dir(self, number: int) -> Path:
+        return self.building / "shards" / f"{number:05d}"
+
+    def span(self, number: int) -> range:
+        return range(number * self.shard_records, min(len(self.records), (number + 1) * self.shard_records))
+
+    def run(self, numbers: range | list[int], *, progress: bool) -> None:
+        """Write the shards `numbers` that no earlier attempt completed."""
+        todo = [n for n in numbers if _read_json(self.shard_dir(n) / SHARD_FILE) is None]
+        total, done, started, said = sum(len(self.span(n)) for n in todo), 0, time.perf_counter(), time.perf_counter()
+        for number in todo:
+            self._write_shard(number)
+            done += len(self.span(number))
+            now = time.perf_counter()
+            if progress and now - said > PROGRESS_EVERY_S and done < total:
+                rate = done / (now - started)
+                log.info(
+                    "data cache: %d of this rank's %d records, %.0f records/s, about %.0f s left",
+                    done,
+                    total,
+                    rate,
+                    (total - done) / rate,
+                )
+                said = now
+
+    def _write_shard(self, number: int) -> None:
+        """One shard, written to a temporary directory and renamed into place."""
+        (self.building / "shards").mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{number:05d}.", dir=self.building / "shards"))
         try:
-            written = _write_tensors(tmp, records, encode, load, on_bad_record=on_bad_record, workers=num_workers)
-        except OSError as error:  # a full disk, a file size limit
-            free = shutil.disk_usage(root).free / 2**30
-            raise TrainingFailed(
-                f"cannot write the data cache under {root} ({error.strerror or error}; {free:.1f} GiB free): free "
-                "disk space, set cache_dir to a disk with room, or data.cache=false"
-            ) from error
-        meta = _meta(key, model, records, written, encode, round(time.perf_counter() - started, 3))
-        (tmp / META_FILE).write_text(json.dumps(meta) + "\n")  # last: its presence marks a complete cache
+            try:
+                written = _write_tensors(
+                    tmp, self.records, self.span(number), self.encode, self.load,
+                    on_bad_record=self.on_bad_record, workers=self.num_workers,
+                )  # fmt: skip
+            except OSError as error:  # a full disk, a file size limit
+                free = shutil.disk_usage(self.building.parent).free / 2**30
+                raise TrainingFailed(
+                    f"cannot write the data cache under {self.building.parent} ({error.strerror or error}; {free:.1f} "
+                    "GiB free): free disk space, set cache_dir to a disk with room, or data.cache=false"
+                ) from error
+            (tmp / SHARD_FILE).write_text(json.dumps(written.to_json()) + "\n")  # last: marks it complete
+            try:
+                os.rename(tmp, self.shard_dir(number))
+            except OSError:  # another process (a job building the same cache) finished it first
+                if _read_json(self.shard_dir(number) / SHARD_FILE) is None:
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def finish(self, path: Path, key: str, model: str, started: float) -> dict:
+        """Build any shard still missing, write meta.json and rename the build into place."""
+        self.run(range(self.shards), progress=False)
+        shards = [_Written.from_json(_read_json(self.shard_dir(n) / SHARD_FILE) or {}) for n in range(self.shards)]
+        meta = _meta(key, model, self.records, shards, self.encode, round(time.perf_counter() - started, 3))
+        for leftover in (self.building / "shards").glob(".*"):  # temporary shards of killed builds
+            shutil.rmtree(leftover, ignore_errors=True)
+        (self.building / META_FILE).write_text(json.dumps(meta) + "\n")  # last: its presence marks a complete cache
+        self.building.chmod(0o755)
         try:
-            os.rename(tmp, path)
+            os.rename(self.building, path)
         except OSError:  # another process finished the same cache first
             if _read_meta(path) is None:
                 raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return _info(path, meta, built=True)
+            shutil.rmtree(self.building, ignore_errors=True)
+        return meta
 
 
-def _meta(key: str, model: str, records: list[dict], written: _Written, encode: RecordEncoder, seconds: float) -> dict:
-    """meta.json of a cache built: which records it holds, which it skipped or cut, and why; or the one line
-    saying that no record is left."""
-    kept = written.kept
-    if not kept and not written.too_long:
+def _meta(
+    key: str, model: str, records: list[dict], shards: list[_Written], encode: RecordEncoder, seconds: float
+) -> dict:
+    """meta.json of a cache built: which records it holds, which it skipped or cut, and why, each tensor's
+    layout; or the one line saying that no record is left."""
+    kept = [index for shard in shards for index in shard.kept]
+    skipped, too_long = sum(s.skipped for s in shards), sum(s.too_long for s in shards)
+    if not kept and not too_long:
         raise LauncherError(
-            f"data: none of the {written.skipped} records could be decoded (all skipped under "
+            f"data: none of the {skipped} records could be decoded (all skipped under "
             f"data.on_bad_record=skip): fix the images, e.g. those of {records[0]['where']}"
         )
     if not kept:
-        raise nothing_fits(len(records), encode.limit, written.too_long, written.skipped, written.too_long_example)
+        example = next(s.too_long_example for s in shards if s.too_long_example)
+        raise nothing_fits(len(records), encode.limit, too_long, skipped, example)
+    layout: dict[str, list] = {}
+    for shard in shards:
+        for name, (dtype, shape) in shard.layout.items():
+            if layout.setdefault(name, [dtype, shape]) != [dtype, shape]:
+                raise LauncherError(
+                    f"data: {name} is {dtype} of trailing shape {shape} in some records and {layout[name]} in others: "
+                    "set data.cache=false for this processor"
+                )
     return {
         "version": CACHE_VERSION,
         "key": key,
         "model": model,
+        "images": encode.images,
         "records": len(kept),
-        "skipped": written.skipped,
-        "truncated": written.cut,
-        "too_long": written.too_long,
-        "skip_log": written.skip_log,
+        "skipped": skipped,
+        "truncated": sum(s.cut for s in shards),
+        "too_long": too_long,
+        "skip_log": [entry for shard in shards for entry in shard.skip_log],
         "indices": kept,  # positions in the records given: which survived a skip
         "ids": [records[i]["id"] for i in kept],
         "sources": [records[i].get("source", 0) for i in kept],
+        "shards": [len(shard.kept) for shard in shards],
+        "layout": layout,
         "build_seconds": seconds,
     }
 
 
 def _info(path: Path, meta: dict, *, built: bool) -> CacheInfo:
+    size = sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
     return CacheInfo(
         path,
         built,
@@ -205,22 +349,24 @@ def _info(path: Path, meta: dict, *, built: bool) -> CacheInfo:
         meta["truncated"],
         meta["too_long"],
         meta["skip_log"],
+        size,
     )
 
 
 class _Decoded(Dataset):
-    """Record i -> (i, its tensors, whether they were cut) or (i, the BadRecordError, False); decoding
-    and encoding run in the workers."""
+    """Record i of a span -> (i, its tensors, whether they were cut) or (i, the BadRecordError, False);
+    decoding and encoding run in the workers."""
 
-    def __init__(self, count: int, load: Callable[[int], dict], encode: RecordEncoder):
-        self.count, self.load, self.encode = count, load, encode
+    def __init__(self, records: list[dict], span: range, load: Callable[[int], dict], encode: RecordEncoder):
+        self.records, self.span, self.load, self.encode = records, span, load, encode
 
     def __len__(self) -> int:
-        return self.count
+        return len(self.span)
 
-    def __getitem__(self, index: int) -> tuple[int, Any, bool]:
+    def __getitem__(self, position: int) -> tuple[int, Any, bool]:
+        index = self.span[position]
         try:
-            tensors, cut = self.encode(self.load(index))
+            tensors, cut = self.encode(self.load(index), self.records[index]["images"])
             return index, {k: v.numpy() for k, v in tensors.items()}, cut
         except BadRecordError as error:  # RecordTooLong among them
             return index, error, False
@@ -228,121 +374,173 @@ class _Decoded(Dataset):
 
 @dataclass
 class _Written:
-    kept: list[int]  # positions of the records written
-    skipped: int  # bad records skipped (data.on_bad_record=skip)
-    cut: int  # records written cut to data.max_length
-    too_long: int  # records over data.max_length not written
-    skip_log: list[dict]  # each record not written, and why
+    """What one shard holds (shard.json)."""
+
+    kept: list[int] = field(default_factory=list)  # positions of the records written
+    skipped: int = 0  # bad records skipped (data.on_bad_record=skip)
+    cut: int = 0  # records written cut to data.max_length
+    too_long: int = 0  # records over data.max_length not written
+    skip_log: list[dict] = field(default_factory=list)  # each record not written, and why
     too_long_example: str = ""  # the first record over data.max_length, and why
+    layout: dict[str, list] = field(default_factory=dict)  # tensor name -> [dtype, trailing shape]
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> _Written:
+        return cls(**data)
 
 
 def _write_tensors(
     out: Path,
     records: list[dict],
+    span: range,
     encode: RecordEncoder,
     load: Callable[[int], dict],
     *,
     on_bad_record: str,
     workers: int,
 ) -> _Written:
-
-    decoded = _Decoded(len(records), load, encode)
+    decoded = _Decoded(records, span, load, encode)
     loader = DataLoader(
         decoded, batch_size=None, num_workers=workers, prefetch_factor=8 if workers else None, collate_fn=unchanged
     )
     files: dict[str, Any] = {}
     offsets: dict[str, list[int]] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    dtypes: dict[str, str] = {}
-    written = _Written([], 0, 0, 0, [])
-    kept = written.kept
+    written = _Written()
     try:
         for index, tensors, cut in loader:
             if isinstance(tensors, BadRecordError):
-                record = records[index]
-                if isinstance(tensors, RecordTooLong):
-                    written.too_long += 1
-                    reason = f"{record['where']}: {tensors}"
-                    written.too_long_example = written.too_long_example or reason
-                elif on_bad_record != "skip":
-                    raise tensors
-                else:
-                    written.skipped += 1
-                    reason = str(tensors)
-                written.skip_log.append(skipped_entry(record.get("file", ""), record.get("index", index), reason))
+                _skip(written, records[index], index, tensors, on_bad_record)
                 continue
             written.cut += cut
             for name, array in tensors.items():
                 if name not in files:  # a tensor first seen here (pixel_values after text-only records)
                     files[name] = open(out / f"{name}.bin", "wb")  # noqa: SIM115 (closed in finally)
-                    offsets[name], shapes[name], dtypes[name] = [0] * (len(kept) + 1), array.shape[1:], array.dtype.str
-                if array.shape[1:] != shapes[name] or array.dtype.str != dtypes[name]:
+                    offsets[name] = [0] * (len(written.kept) + 1)
+                    written.layout[name] = [array.dtype.str, list(array.shape[1:])]
+                if [array.dtype.str, list(array.shape[1:])] != written.layout[name]:
                     raise LauncherError(
                         f"{records[index]['where']}: {name} has shape {array.shape} ({array.dtype}), unlike the "
-                        f"records before it ({shapes[name]}, {dtypes[name]}): set data.cache=false for this processor"
+                        f"records before it ({written.layout[name]}): set data.cache=false for this processor"
                     )
                 files[name].write(np.ascontiguousarray(array).tobytes())
             for name in files:  # a record without a tensor (no images) holds zero rows of it
                 offsets[name].append(offsets[name][-1] + (tensors[name].shape[0] if name in tensors else 0))
-            kept.append(index)
+            written.kept.append(index)
     finally:
         for handle in files.values():
             handle.close()
-    np.savez(
-        out / INDEX_FILE,
-        **{f"{name}.offsets": np.asarray(offsets[name], dtype=np.int64) for name in files},
-        **{f"{name}.shape": np.asarray(shapes[name], dtype=np.int64) for name in files},
-        **{f"{name}.dtype": np.asarray(dtypes[name]) for name in files},
-    )
+    np.savez(out / INDEX_FILE, **{f"{name}.offsets": np.asarray(offsets[name], dtype=np.int64) for name in files})
     return written
 
 
-def _read_meta(path: Path) -> dict | None:
+def _skip(written: _Written, record: dict, index: int, error: BadRecordError, on_bad_record: str) -> None:
+    """A record not written: too long (always skipped), or bad (skipped under on_bad_record=skip)."""
+    if isinstance(error, RecordTooLong):
+        written.too_long += 1
+        reason = f"{record['where']}: {error}"
+        written.too_long_example = written.too_long_example or reason
+    elif on_bad_record != "skip":
+        raise error
+    else:
+        written.skipped += 1
+        reason = str(error)
+    written.skip_log.append(skipped_entry(record.get("file", ""), record.get("index", index), reason))
+
+
+def _read_json(path: Path) -> dict | None:
     try:
-        meta = json.loads((path / META_FILE).read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return meta if meta.get("version") == CACHE_VERSION else None
+
+
+def _read_meta(path: Path) -> dict | None:
+    meta = _read_json(path / META_FILE)
+    return meta if meta is not None and meta.get("version") == CACHE_VERSION else None
 
 
 # ----------------------------------------------------------------------------- reading
 class CachedDataset(Dataset):
-    """A built cache -> {"tensors": {name: tensor}, "id", "source"} per record; reads are slices of memory maps."""
+    """A built cache -> {"tensors": {name: tensor}, "id", "source"} per record; reads are slices of memory
+    maps. An encoded cache's images are decoded here (in the DataLoader's workers) and made into pixel values
+    by `processor`'s image processor, as the processor makes them."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, processor: Any = None):
         self.path = Path(path)
         meta = _read_meta(self.path)
         if meta is None:
             raise LauncherError(f"{self.path}: not a complete data cache; delete it to have it built again")
         self.ids, self.sources, self.indices = meta["ids"], meta["sources"], meta["indices"]
-        index = np.load(self.path / INDEX_FILE)
-        self.names = sorted({key.rsplit(".", 1)[0] for key in index.files})
-        self.offsets = {name: index[f"{name}.offsets"] for name in self.names}
-        self._layout = {name: (str(index[f"{name}.dtype"]), tuple(index[f"{name}.shape"])) for name in self.names}
-        self._maps: dict[str, np.memmap] | None = None  # opened lazily, in each worker
+        self.encoded = IMAGE_BYTES in meta["layout"]
+        if self.encoded and processor is None:
+            raise LauncherError(f"{self.path}: its images are encoded; reading it needs the processor")
+        self.image_processor = processor.image_processor if self.encoded else None
+        self._layout = {name: (dtype, tuple(shape)) for name, (dtype, shape) in meta["layout"].items()}
+        self.names = sorted(self._layout)
+        # Record i is in shard k when starts[k] <= i < starts[k + 1].
+        self.starts = np.concatenate([[0], np.cumsum(meta["shards"])]).astype(np.int64)
+        self.offsets: list[dict[str, np.ndarray]] = []
+        for number, count in enumerate(meta["shards"]):
+            index = np.load(self._shard(number) / INDEX_FILE)
+            held = {key.rsplit(".", 1)[0] for key in index.files}
+            # A shard whose records lack a tensor (text only) holds zero rows of it for each.
+            self.offsets.append(
+                {
+                    name: index[f"{name}.offsets"] if name in held else np.zeros(count + 1, np.int64)
+                    for name in self.names
+                }
+            )
+        self._maps: list[dict[str, np.ndarray]] | None = None  # opened lazily, in each worker
+
+    def _shard(self, number: int) -> Path:
+        return self.path / "shards" / f"{number:05d}"
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def lengths(self) -> list[int]:
         """Tokens per record (image tokens included): what length-grouped batches sort by."""
-        return np.diff(self.offsets["input_ids"]).tolist()
+        return np.concatenate([np.diff(offsets["input_ids"]) for offsets in self.offsets]).tolist()
 
-    def _open(self) -> dict[str, np.memmap]:
+    def _open(self) -> list[dict[str, np.ndarray]]:
         if self._maps is None:
-            self._maps = {
-                name: np.memmap(self.path / f"{name}.bin", dtype=dtype, mode="r").reshape(-1, *shape)
-                for name, (dtype, shape) in self._layout.items()
-            }
+            self._maps = []
+            for number, offsets in enumerate(self.offsets):
+                maps = {}
+                for name, (dtype, shape) in self._layout.items():
+                    file = self._shard(number) / f"{name}.bin"
+                    empty = offsets[name][-1] == 0  # np.memmap refuses an empty file
+                    maps[name] = (
+                        np.empty((0, *shape), dtype=dtype)
+                        if empty
+                        else np.memmap(file, dtype=dtype, mode="r").reshape(-1, *shape)
+                    )
+                self._maps.append(maps)
         return self._maps
 
     def __getitem__(self, index: int) -> dict:
-        maps = self._open()
+        shard = int(np.searchsorted(self.starts, index, side="right")) - 1
+        local, maps, offsets = index - int(self.starts[shard]), self._open()[shard], self.offsets[shard]
         tensors = {
-            name: torch.from_numpy(np.array(maps[name][self.offsets[name][index] : self.offsets[name][index + 1]]))
+            name: torch.from_numpy(np.array(maps[name][offsets[name][local] : offsets[name][local + 1]]))
             for name in self.names
         }
+        if self.encoded:
+            tensors = self._decoded(tensors, self.ids[index])
         return {"tensors": tensors, "id": self.ids[index], "source": self.sources[index]}
+
+    def _decoded(self, tensors: dict[str, torch.Tensor], record_id: str) -> dict[str, torch.Tensor]:
+        """The record's tensors with its stored image bytes made into the processor's pixel values."""
+        blob, lengths = tensors.pop(IMAGE_BYTES).numpy().tobytes(), tensors.pop(IMAGE_LENGTHS).tolist()
+        if not lengths:
+            return tensors
+        ends = np.cumsum(lengths).tolist()
+        images = [open_image(blob[end - length : end], record_id) for end, length in zip(ends, lengths, strict=True)]
+        tensors["pixel_values"] = self.image_processor(images, return_tensors="pt")["pixel_values"]
+        return tensors
 
     def __getstate__(self) -> dict:  # workers open their own maps
         return {**self.__dict__, "_maps": None}
@@ -357,7 +555,6 @@ class CachedCollator:
         self.image_every_batch = image_every_batch
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
-
         batch = pad_rows([sample["tensors"] for sample in samples], self.pad_token_id)
         if self.image_every_batch and "pixel_values" not in batch:
             batch = add_dummy_image(self.processor, batch, padding_side="right")

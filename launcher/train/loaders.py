@@ -1,8 +1,9 @@
 """One rank's data: its records, its loaders (training, held-out loss, exact match) and its place in them.
 
-With data.cache the records are decoded and tokenized once, by rank 0 while the others wait, and
-training reads tensors. At ZeRO-3 with several ranks every batch runs the vision tower (a dummy image
-where a batch has none): otherwise ranks whose batches differ in modality hang. Records over
+With data.cache the records are tokenized once, every rank building its share of the cache, and
+training reads tensors (and decodes the images stored with them, in the DataLoader's workers). At
+ZeRO-3 with several ranks every batch runs the vision tower (a dummy image where a batch has none):
+otherwise ranks whose batches differ in modality hang. Records over
 data.max_length are cut or skipped alike with the cache or without it; rank 0 lists those skipped in
 RUN/skipped_records.jsonl.
 """
@@ -22,7 +23,7 @@ from launcher.core.errors import LauncherError
 from launcher.core.logs import FILE_ONLY
 from launcher.core.rundir import RunDir
 from launcher.core.summary import Summary
-from launcher.data.cache import CachedCollator, CachedDataset, CacheInfo, RecordEncoder, ensure_cache
+from launcher.data.cache import CachedCollator, CachedDataset, CacheInfo, Part, RecordEncoder, ensure_cache
 from launcher.data.collate import Collator, fit_records
 from launcher.data.formats import skipped_entry
 from launcher.data.length import LengthLimit
@@ -32,7 +33,7 @@ from launcher.data.shapes import prepare_data
 from launcher.job.planning import cache_dir
 from launcher.job.spec import Job
 from launcher.train.checkpoint import DataPosition, ResumableSampler, batches
-from launcher.train.distributed import Rank, main_process_first
+from launcher.train.distributed import Rank, barrier, main_process_first
 
 log = logging.getLogger("launcher")
 
@@ -217,29 +218,30 @@ def _split(
 
 
 def _cached(job: Job, rank: Rank, processor: Any, records: list[dict], limit: LengthLimit) -> tuple[Any, CacheInfo]:
-    """The records as a CachedDataset; rank 0 builds the cache when missing while the others wait."""
+    """The records as a CachedDataset; every rank builds its share of a missing cache (launcher.data.cache)."""
     data = job.config.data
-    with main_process_first(rank):
-        info = ensure_cache(
-            cache_dir(job.config) / "data_cache",
-            records,
-            processor,
-            str(job.model_path),
-            RecordEncoder(processor, limit),
-            ConversationDataset(records).__getitem__,
-            on_bad_record=str(data.on_bad_record),
-            num_workers=int(data.num_workers),
-        )
+    info = ensure_cache(
+        cache_dir(job.config) / "data_cache",
+        records,
+        processor,
+        str(job.model_path),
+        RecordEncoder(processor, limit, str(data.cache_images)),
+        ConversationDataset(records).__getitem__,
+        on_bad_record=str(data.on_bad_record),
+        num_workers=int(data.num_workers),
+        part=Part(rank.rank, rank.world_size, barrier),
+    )
     if rank.is_main:
         log.info(
-            "data cache %s: %s (%d records, %d skipped)",
+            "data cache %s: %s (%d records, %d skipped, %.1f MiB)",
             info.path,
             f"built in {info.build_seconds:.1f} s" if info.built else "reused",
             info.records,
             info.skipped,
+            info.bytes / 2**20,
             extra={} if info.built else FILE_ONLY,  # a build took a while: the terminal says so
         )
-    return CachedDataset(info.path), info
+    return CachedDataset(info.path, processor), info
 
 
 def _report_skipped(job: Job, run_dir: RunDir, tally: SkipTally) -> None:

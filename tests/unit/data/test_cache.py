@@ -7,16 +7,19 @@ model families. The guard's dummy image itself: tests/unit/data/test_collate.py.
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from PIL import Image
 
 from launcher.core.errors import LauncherError
-from launcher.data.cache import CachedCollator, CachedDataset, RecordEncoder, cache_key, ensure_cache
+from launcher.data.cache import CachedCollator, CachedDataset, Part, RecordEncoder, cache_key, ensure_cache
 from launcher.data.collate import Collator, fit_records
 from launcher.data.formats import BadRecordError, skipped_entry
 from launcher.data.length import LengthLimit
@@ -25,16 +28,29 @@ from launcher.model.loading import load_model_and_processor
 from tests.unit.data.samples import long_records
 
 
-def build(tmp_path: Path, records: list[dict], processor, *, model: str = "tiny", on_bad_record: str = "error"):
+def build(
+    tmp_path: Path,
+    records: list[dict],
+    processor,
+    *,
+    model: str = "tiny",
+    on_bad_record: str = "error",
+    images: str = "encoded",
+    load=None,
+    part: Part | None = None,
+    shard_records: int = 5,  # several shards of the 12 records
+):
     return ensure_cache(
         tmp_path / "data_cache",
         records,
         processor,
         model,
-        RecordEncoder(processor),
-        ConversationDataset(records).__getitem__,
+        RecordEncoder(processor, images=images),
+        load or ConversationDataset(records).__getitem__,
         on_bad_record=on_bad_record,
         num_workers=0,
+        part=part or Part(),
+        shard_records=shard_records,
     )
 
 
@@ -44,11 +60,15 @@ def assert_same_batch(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
         assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
 
 
-def test_cached_batches_equal_the_processors_bitwise(tmp_path, mixed_records, model_and_processor):
+@pytest.mark.parametrize("images", ["encoded", "pixels"])
+def test_cached_batches_equal_the_processors_bitwise(tmp_path, mixed_records, model_and_processor, images):
+    """Either way the cache keeps images (their files' bytes, decoded and processed as a batch is read; or
+    the processor's pixel values), in shards of 5 records."""
     _, processor = model_and_processor
-    info = build(tmp_path, mixed_records, processor)
+    info = build(tmp_path, mixed_records, processor, images=images)
     assert info.built and (info.records, info.skipped) == (12, 0)
-    cached = CachedDataset(info.path)
+    assert len(list((info.path / "shards").iterdir())) == 3
+    cached = CachedDataset(info.path, processor)
     live = ConversationDataset(mixed_records)
     for guard in (False, True):
         collate, cached_collate = (
@@ -110,7 +130,7 @@ def test_the_cache_cuts_and_skips_records_over_max_length_as_the_collator_does(t
     assert (info.records, info.skipped, info.truncated, info.too_long) == (3, 0, 2, 1)
     uncached = fit_records(records, processor, limit, num_workers=0)
     assert info.skip_log == [skipped_entry(str(tmp_path / "long.json"), 3, uncached.skipped[0][1])]
-    cached = CachedDataset(info.path)
+    cached = CachedDataset(info.path, processor)
     assert cached.indices == uncached.kept == [0, 1, 2] and max(cached.lengths()) == 64
     live = ConversationDataset(records)
     for rows in ([0, 1, 2], [1], [0], [2, 0]):
@@ -140,11 +160,15 @@ def test_undecodable_images_are_skipped_while_building_or_stop_it(tmp_path, mixe
     [entry] = info.skip_log  # for RUN/skipped_records.jsonl: the line data.on_bad_record=error stops with
     assert (entry["file"], entry["record"]) == (records[5]["file"], 5)
     assert entry["reason"].startswith(f"{records[5]['where']}: cannot decode image {cut}")
-    assert CachedDataset(info.path).ids == [r["id"] for r in records if r["id"] != "5"]
-    assert CachedDataset(info.path).indices == [i for i in range(12) if i != 5]
+    assert CachedDataset(info.path, processor).ids == [r["id"] for r in records if r["id"] != "5"]
+    assert CachedDataset(info.path, processor).indices == [i for i in range(12) if i != 5]
     with pytest.raises(BadRecordError, match=r"record 5: cannot decode image .*cut.png"):
         build(tmp_path / "strict", records, processor)
-    assert not list((tmp_path / "strict" / "data_cache").iterdir())  # nothing half-built is left
+    # Nothing that looks complete: the build's directory keeps the shard done before the bad record
+    # (records 0-4) for the next attempt, and no cache is named by its key.
+    (building,) = (tmp_path / "strict" / "data_cache").iterdir()
+    assert building.name.startswith(".") and building.name.endswith(".building")
+    assert sorted(path.name for path in (building / "shards").iterdir()) == ["00000"]
     with pytest.raises(LauncherError, match="none of the 1 records could be decoded"):
         build(tmp_path / "none", records[5:6], processor, on_bad_record="skip")
 
@@ -164,7 +188,7 @@ def test_a_cached_dataset_pickles_without_its_memory_maps(tmp_path, mixed_record
     """DataLoader workers get the dataset pickled and open their own maps; an incomplete cache is refused."""
     _, processor = model_and_processor
     info = build(tmp_path, mixed_records, processor)
-    cached = CachedDataset(info.path)
+    cached = CachedDataset(info.path, processor)
     first = cached[3]
     assert cached._maps is not None
     clone = pickle.loads(pickle.dumps(cached))
@@ -172,4 +196,76 @@ def test_a_cached_dataset_pickles_without_its_memory_maps(tmp_path, mixed_record
     assert all(torch.equal(clone[3]["tensors"][name], tensor) for name, tensor in first["tensors"].items())
     (info.path / "meta.json").unlink()  # what a crash before the last write leaves
     with pytest.raises(LauncherError, match=r"not a complete data cache; delete it to have it built again"):
-        CachedDataset(info.path)
+        CachedDataset(info.path, processor)
+
+
+def _tensors(dataset: CachedDataset) -> list[dict[str, torch.Tensor]]:
+    return [dataset[i]["tensors"] for i in range(len(dataset))]
+
+
+def test_two_ranks_build_disjoint_shards_at_once_into_the_cache_one_would(tmp_path, mixed_records, model_and_processor):
+    """Each rank (a thread here, with its own processor) loads only the records of its shards; rank 0 writes
+    meta.json once both are done; the cache is the one a single process builds."""
+    _, processor = model_and_processor
+    barrier = threading.Barrier(2, timeout=120)
+    loaded: dict[int, list[int]] = {0: [], 1: []}
+    infos: dict[int, Any] = {}
+
+    def rank(number: int) -> None:
+        own = copy.deepcopy(processor)
+        records = ConversationDataset(mixed_records)
+
+        def load(index: int) -> dict:
+            loaded[number].append(index)
+            return records[index]
+
+        part = Part(number, 2, barrier.wait)
+        infos[number] = build(tmp_path / "two", mixed_records, own, load=load, part=part, shard_records=3)
+
+    threads = [threading.Thread(target=rank, args=(number,)) for number in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    # Shards of 3 records: rank 0 builds shards 0 and 2, rank 1 shards 1 and 3.
+    assert (sorted(loaded[0]), sorted(loaded[1])) == ([0, 1, 2, 6, 7, 8], [3, 4, 5, 9, 10, 11])
+    assert infos[0].path == infos[1].path and infos[0].built and infos[0].records == 12
+    alone = build(tmp_path / "one", mixed_records, processor, shard_records=3)
+    assert alone.path.name == infos[0].path.name
+    for ours, theirs in zip(
+        _tensors(CachedDataset(infos[0].path, processor)), _tensors(CachedDataset(alone.path, processor)), strict=True
+    ):
+        assert_same_batch(ours, theirs)
+
+
+def test_a_killed_build_resumes_from_its_complete_shards(tmp_path, mixed_records, model_and_processor):
+    _, processor = model_and_processor
+    records = ConversationDataset(mixed_records)
+    loaded: list[int] = []
+
+    def killed_at_7(index: int) -> dict:
+        if index == 7:
+            raise KeyboardInterrupt  # what a signal's handler raises in the middle of shard 1
+        loaded.append(index)
+        return records[index]
+
+    with pytest.raises(KeyboardInterrupt):
+        build(tmp_path, mixed_records, processor, load=killed_at_7)
+    assert loaded == [0, 1, 2, 3, 4, 5, 6]
+    loaded.clear()
+    info = build(tmp_path, mixed_records, processor, load=lambda index: (loaded.append(index), records[index])[1])
+    assert loaded == list(range(5, 12))  # shard 0 (records 0-4) was complete
+    assert info.built and info.records == 12
+    assert [p.name for p in (tmp_path / "data_cache").iterdir()] == [info.path.name]  # no leftovers
+
+
+def test_an_encoded_cache_stores_each_images_file_and_a_fraction_of_the_pixels(
+    tmp_path, mixed_records, model_and_processor
+):
+    _, processor = model_and_processor
+    encoded = build(tmp_path / "encoded", mixed_records, processor)
+    pixels = build(tmp_path / "pixels", mixed_records, processor, images="pixels")
+    stored = sum((shard / "image_bytes.bin").stat().st_size for shard in (encoded.path / "shards").iterdir())
+    assert stored == sum(os.path.getsize(image) for record in mixed_records for image in record["images"])
+    assert not list(pixels.path.rglob("image_bytes.bin")) and not list(encoded.path.rglob("pixel_values.bin"))
+    assert encoded.bytes < pixels.bytes

@@ -874,19 +874,23 @@ def test_a_failed_checkpoint_write_is_one_line_and_leaves_nothing_that_looks_com
 def test_a_failed_data_cache_write_is_one_line_and_leaves_no_cache_that_looks_complete(
     tmp_path, train_in_process, capfd, caplog
 ):
-    """Files may grow to 2 MiB; the data cache of 300 built-in records holds 3.5 MiB of pixels."""
+    """Files may grow to 2 MiB; the data cache of 300 built-in records holds 3.5 MiB of pixels (stored as
+    pixels: encoded, they take less than the limit)."""
     cache = tmp_path / "cache"
     with file_size_limit(2 * 2**20):
         ran = train_in_process(
-            *QUICK, "data.n_train=300", "data.n_eval=20", f"cache_dir={cache}", run_dir=tmp_path / "run"
-        )
+            *QUICK, "data.n_train=300", "data.n_eval=20", "data.cache_images=pixels", f"cache_dir={cache}",
+            run_dir=tmp_path / "run",
+        )  # fmt: skip
     message = f"cannot write the data cache under {cache / 'data_cache'} ("
     line = assert_one_clear_error(ran, message, 1)
     assert "data.cache=false" in line
     assert_failed_and_incomplete(tmp_path / "run", message, planned=True)
     assert_not_repeated_by_the_rank(message, capfd, caplog)
     assert not list((cache / "data_cache").rglob("meta.json"))  # nothing that looks complete
-    assert not list((cache / "data_cache").iterdir())  # the partial build is removed
+    # The shard being written is removed; a build keeps only complete shards, under a dot-name, for its next try.
+    assert all(path.name.startswith(".") for path in (cache / "data_cache").iterdir())
+    assert not list((cache / "data_cache").rglob("*.bin"))
 
 
 def test_every_row_of_the_error_table_names_a_test_that_exists():
