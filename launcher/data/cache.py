@@ -200,15 +200,27 @@ def ensure_cache(
     if not existed:
         if part.rank == 0:
             log.info("data cache: tokenizing %d records once, into %s", len(records), path)
-        build.run(range(part.rank, build.shards, part.world_size), progress=part.rank == 0)
+        _unless_finished_elsewhere(
+            path, lambda: build.run(range(part.rank, build.shards, part.world_size), progress=part.rank == 0)
+        )
     part.barrier()  # every rank's shards are written
     if part.rank == 0 and _read_meta(path) is None:
-        build.finish(path, key, model, started)
+        _unless_finished_elsewhere(path, lambda: build.finish(path, key, model, started))
     part.barrier()  # meta.json is written
     meta = _read_meta(path)
     if meta is None:  # this rank's cache_dir is not rank 0's (another node's own disk): finish it here
         meta = build.finish(path, key, model, started)
     return _info(path, meta, built=not existed)
+
+
+def _unless_finished_elsewhere(path: Path, work: Callable[[], Any]) -> None:
+    """Run a build step; another job building the same cache at once (a parallel sweep) may finish it first
+    and move the build directory away: then its cache is the one to use."""
+    try:
+        work()
+    except (OSError, TrainingFailed):
+        if _read_meta(path) is None:
+            raise
 
 
 class _ShardBuild:
