@@ -50,6 +50,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from launcher.config.schema import CacheImages
 from launcher.core.errors import LauncherError, TrainingFailed
 from launcher.data.collate import Collator, add_dummy_image, nothing_fits
 from launcher.data.formats import BadRecordError, open_image, skipped_entry
@@ -63,7 +64,7 @@ META_FILE = "meta.json"
 INDEX_FILE = "index.npz"
 SHARD_FILE = "shard.json"
 SHARD_RECORDS = 2048  # records per shard: what a killed build loses at most, per rank
-IMAGE_STORAGE = ("encoded", "pixels")
+IMAGE_STORAGE = tuple(choice.value for choice in CacheImages)  # data.cache_images, as the schema spells it
 # The tensors an encoded record holds in place of pixel_values: its images' bytes, and each one's length.
 IMAGE_BYTES, IMAGE_LENGTHS = "image_bytes", "image_lengths"
 PROGRESS_EVERY_S = 30.0
