@@ -416,9 +416,12 @@ def _write_tensors(
     workers: int,
 ) -> _Written:
     decoded = _Decoded(records, span, load, encode)
+    # A generator of its own: an iterator draws its workers' seed from the global one otherwise, and a run
+    # that built the cache would continue with another random state than one that found it built.
     loader = DataLoader(
-        decoded, batch_size=None, num_workers=workers, prefetch_factor=8 if workers else None, collate_fn=unchanged
-    )
+        decoded, batch_size=None, num_workers=workers, prefetch_factor=8 if workers else None, collate_fn=unchanged,
+        generator=torch.Generator(),
+    )  # fmt: skip
     files: dict[str, Any] = {}
     offsets: dict[str, list[int]] = {}
     written = _Written()

@@ -224,6 +224,7 @@ def fit_records(records: list[dict], processor, limit: LengthLimit, *, num_worke
         num_workers=num_workers,
         prefetch_factor=8 if num_workers else None,
         collate_fn=unchanged,
+        generator=torch.Generator(),  # not the global one: building the data must not move the random state
     )
     report = FitReport([], 0, [])
     for index, outcome in loader:

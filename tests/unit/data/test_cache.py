@@ -173,6 +173,16 @@ def test_undecodable_images_are_skipped_while_building_or_stop_it(tmp_path, mixe
         build(tmp_path / "none", records[5:6], processor, on_bad_record="skip")
 
 
+def test_building_the_cache_leaves_the_global_random_state_as_it_was(tmp_path, mixed_records, model_and_processor):
+    """A run that builds the cache must go on with the random state of one that found it built: a resumed
+    run (which finds it) ends bitwise where the uninterrupted one (which built it) does."""
+    _, processor = model_and_processor
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    assert build(tmp_path, mixed_records, processor).built
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_the_key_of_a_processor_does_not_change_when_it_encodes(mixed_records, model_and_processor):
     """A processor that has padded a batch (rank 0's, after building the train split's cache) must give the
     key a fresh one gives, or every other rank would build its own cache."""

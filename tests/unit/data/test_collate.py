@@ -181,7 +181,9 @@ def test_fit_records_decides_before_training_which_records_are_cut_or_skipped(tm
     lengths = [Collator(processor)([dataset[index]])["input_ids"].shape[1] for index in range(4)]
     assert [estimated_length(processor, r) for r in records] == lengths  # from text and image headers alone
 
+    before = torch.get_rng_state()
     cut = fit_records(records, processor, LengthLimit(64), num_workers=0)
+    assert torch.equal(torch.get_rng_state(), before)  # data set-up leaves the random state to training
     assert (cut.kept, cut.cut, [index for index, _ in cut.skipped]) == ([0, 1, 2], 2, [3])
     assert cut.skipped[0][1].startswith(f"{where}: {lengths[3]:,} tokens, over data.max_length=64")
     skip = fit_records(records, processor, LengthLimit(64, "skip"), num_workers=0)
