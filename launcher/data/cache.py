@@ -24,8 +24,10 @@ Why flat files and np.memmap, not the `datasets` Arrow cache: a record is a hand
 different lengths; reading one from a memory map is a slice and a copy, with no conversion of nested
 lists, and the page cache shares the bytes between DataLoader workers and ranks on one machine.
 
-The key covers what the tensors and their bookkeeping depend on: the records (source, text, and each
-image's path, size and modification time, or its bytes), the processor (tokenizer, chat template, image
+The key covers what the tensors and their bookkeeping depend on: the records (for indexed files, the
+record index's key: each data file's path, size and modification time and how it was read; for records
+read into a list, their source, text, and each image's path, size and modification time, or its bytes:
+so an image replaced in place under the same name is noticed only then), the processor (tokenizer, chat template, image
 settings such as min/max pixels), the model, data.max_length / data.truncation (a record over the limit
 is stored cut, or skipped) and data.cache_images. A change to any of them builds a new cache; a
 complete cache is reused.
@@ -41,7 +43,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +56,7 @@ from launcher.config.schema import CacheImages
 from launcher.core.errors import LauncherError, TrainingFailed
 from launcher.data.collate import Collator, add_dummy_image, nothing_fits
 from launcher.data.formats import BadRecordError, open_image, skipped_entry
+from launcher.data.index import Records
 from launcher.data.length import LengthLimit, RecordTooLong, fit_to_length, one_row, pad_rows, unchanged
 
 log = logging.getLogger("launcher")
@@ -70,13 +73,17 @@ IMAGE_BYTES, IMAGE_LENGTHS = "image_bytes", "image_lengths"
 PROGRESS_EVERY_S = 30.0
 
 
-def cache_key(records: list[dict], processor: Any, model: str, limit: Any = None, images: str = "encoded") -> str:
+def cache_key(records: Sequence[dict], processor: Any, model: str, limit: Any = None, images: str = "encoded") -> str:
     """A digest of everything a cached tensor depends on (`limit`: a data.LengthLimit, or None; `images`:
     data.cache_images)."""
     digest = hashlib.sha256()
     length = {"max_length": limit.max_length, "truncation": limit.truncation} if limit is not None else None
     digest.update(json.dumps({"version": CACHE_VERSION, "model": model, "length": length, "images": images}).encode())
     digest.update(processor_fingerprint(processor).encode())
+    indexed = records.fingerprint() if isinstance(records, Records) else None
+    if indexed is not None:  # the record index's key covers each data file and how it was read
+        digest.update(indexed.encode())
+        return digest.hexdigest()[:20]
     for record in records:
         identities = [_image_identity(image) for image in record["images"]]
         digest.update(json.dumps([record["id"], record.get("source", 0), record["messages"], identities]).encode())
@@ -177,7 +184,7 @@ class Part:
 
 def ensure_cache(
     root: Path,
-    records: list[dict],
+    records: Sequence[dict],
     processor: Any,
     model: str,
     encode: RecordEncoder,
@@ -230,7 +237,7 @@ class _ShardBuild:
     def __init__(
         self,
         building: Path,
-        records: list[dict],
+        records: Sequence[dict],
         encode: RecordEncoder,
         load: Callable[[int], dict],
         on_bad_record: str,
@@ -310,7 +317,7 @@ class _ShardBuild:
 
 
 def _meta(
-    key: str, model: str, records: list[dict], shards: list[_Written], encode: RecordEncoder, seconds: float
+    key: str, model: str, records: Sequence[dict], shards: list[_Written], encode: RecordEncoder, seconds: float
 ) -> dict:
     """meta.json of a cache built: which records it holds, which it skipped or cut, and why, each tensor's
     layout; or the one line saying that no record is left."""
@@ -370,7 +377,7 @@ class _Decoded(Dataset):
     """Record i of a span -> (i, its tensors, whether they were cut) or (i, the BadRecordError, False);
     decoding and encoding run in the workers."""
 
-    def __init__(self, records: list[dict], span: range, load: Callable[[int], dict], encode: RecordEncoder):
+    def __init__(self, records: Sequence[dict], span: range, load: Callable[[int], dict], encode: RecordEncoder):
         self.records, self.span, self.load, self.encode = records, span, load, encode
 
     def __len__(self) -> int:
@@ -407,7 +414,7 @@ class _Written:
 
 def _write_tensors(
     out: Path,
-    records: list[dict],
+    records: Sequence[dict],
     span: range,
     encode: RecordEncoder,
     load: Callable[[int], dict],

@@ -7,6 +7,7 @@ Records are read by launcher/data/formats.py (LLaVA, ShareGPT, OpenAI-style mess
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,10 @@ from torch.utils.data import Dataset
 from launcher.config.schema import DataConfig, SourceConfig
 from launcher.core.errors import LauncherError
 from launcher.data.formats import DEFAULT_MAX_IMAGE_PIXELS, ReadOptions, looks_like_hub_id, open_image, read_records
+from launcher.data.index import Records, indexed_records
 from launcher.data.shapes import prepare_data
+
+INDEX_DIR = "record_index"  # under cache_dir
 
 
 @dataclass
@@ -33,8 +37,8 @@ class Source:
 class LoadedData:
     """The records of a run: every train record carries "source", its index into `sources`."""
 
-    train: list[dict]
-    eval: list[dict]
+    train: Records
+    eval: Records
     skipped: int
     sources: list[Source]
     formats: list[str]  # each source's format, as read (auto-detected or given)
@@ -53,27 +57,27 @@ def load_records(path: str | Path, image_root: str | Path | None = None, **optio
 
 
 def read_data(data: DataConfig, cache: Path, *, decode: bool = False) -> LoadedData:
-    """The train and eval records of the `data` config (the built-in set is generated first).
+    """The train and eval records of the `data` config (the built-in set is generated first), each file's
+    from its record index (launcher.data.index: read and checked once, then memory-mapped).
 
     `decode=True` decodes every image while reading, so that under data.on_bad_record=skip a truncated
     image is skipped here rather than failing a DataLoader worker later."""
     sources, eval_source = data_sources(data, cache, decode=decode)
-    train, skipped, formats = [], 0, []
+    parts, skipped, formats = [], 0, []
     train_log: list[dict] = []
-    for index, source in enumerate(sources):
-        records, source_skipped, fmt = read_records(source.path, source.options, train_log)
-        for record in records:
-            record["source"] = index
-        train += records
+    for source in sources:
+        records, source_skipped, fmt = indexed_records(source.path, source.options, cache / INDEX_DIR, train_log)
+        parts.append(records)
         skipped += source_skipped
         formats.append(fmt)
-    eval_records: list[dict] = []
+    eval_records = Records([])
     eval_log: list[dict] = []
     if eval_source is not None:
-        eval_records, eval_skipped, _ = read_records(eval_source.path, eval_source.options, eval_log)
+        records, eval_skipped, _ = indexed_records(eval_source.path, eval_source.options, cache / INDEX_DIR, eval_log)
+        eval_records = Records([records])
         skipped += eval_skipped
     skip_log = [{"split": split, **entry} for split, log in (("train", train_log), ("eval", eval_log)) for entry in log]
-    return LoadedData(train, eval_records, skipped, sources, formats, skip_log)
+    return LoadedData(Records(parts), eval_records, skipped, sources, formats, skip_log)
 
 
 def data_sources(data: DataConfig, cache: Path, *, decode: bool = False) -> tuple[list[Source], Source | None]:
@@ -142,7 +146,7 @@ def _existing_data_path(path: Any, key: str) -> str:
 class ConversationDataset(Dataset):
     """Records -> {"id", "where", "images": RGB PIL images, "messages", "source"}; images decode here, in workers."""
 
-    def __init__(self, records: list[dict]):
+    def __init__(self, records: Sequence[dict]):
         self.records = records
 
     def __len__(self) -> int:

@@ -7,6 +7,7 @@ shapes (hidden sizes, layers, image tokens) are collected into a `ModelStats`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +71,7 @@ def model_dir(cfg: Config) -> str:
         return resolve_model_path(model, int(cfg.train.seed), Path(), [])
     cache = Path(cfg.cache_dir).expanduser().absolute()
     loaded = read_data(cfg.data, cache)
-    return resolve_model_path(model, int(cfg.train.seed), cache, loaded.train + loaded.eval)
+    return resolve_model_path(model, int(cfg.train.seed), cache, itertools.chain(loaded.train, loaded.eval))
 
 
 def meta_model(cfg: Config, path: str | None = None):

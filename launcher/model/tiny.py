@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,7 @@ _QWEN2_VL_SPECIAL_TOKENS = [
 ]
 
 
-def resolve_model_path(model: ModelConfig, seed: int, cache: Path, records: list[dict[str, Any]]) -> str:
+def resolve_model_path(model: ModelConfig, seed: int, cache: Path, records: Iterable[dict[str, Any]]) -> str:
     """The hub id or directory a job loads (a local directory absolute: adapters and checkpoints name it as
     their base); a tiny model is built (once, then cached) from the words of `records`, with weights
     initialised from `seed` (train.seed)."""

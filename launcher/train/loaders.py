@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from launcher.core.children import die_with_parent
 from launcher.core.errors import LauncherError
@@ -26,6 +26,7 @@ from launcher.core.summary import Summary
 from launcher.data.cache import CachedCollator, CachedDataset, CacheInfo, Part, RecordEncoder, ensure_cache
 from launcher.data.collate import Collator, fit_records
 from launcher.data.formats import skipped_entry
+from launcher.data.index import Records
 from launcher.data.length import LengthLimit
 from launcher.data.records import ConversationDataset, LoadedData, read_data, require_one_global_batch
 from launcher.data.sampling import LengthGroupedSampler, MixtureSampler
@@ -89,9 +90,9 @@ def build_data(
     if guard is None:
         guard = zero_stage == 3 and rank.world_size > 1
     tally = SkipTally(bad=loaded.skipped, entries=list(loaded.skip_log))
-    train_set, collate, train_records, train_cache = _split(job, rank, processor, loaded.train, "train", guard, tally)
+    train_set, collate, train_kept, train_cache = _split(job, rank, processor, loaded.train, "train", guard, tally)
     require_one_global_batch(len(train_set), micro, rank.world_size)  # decoding and length may drop records
-    sources = train_set.sources if train_cache is not None else [record["source"] for record in train_records]
+    sources = train_set.sources if train_cache is not None else loaded.train.sources[train_kept].tolist()
     sampler = _sampler(job, rank, loaded, train_set, sources)
     train_loader = DataLoader(
         train_set, batch_size=micro, sampler=sampler, drop_last=True, generator=torch.Generator(),
@@ -172,12 +173,10 @@ def _die_with_rank(_worker_id: int) -> None:
     die_with_parent()
 
 
-def _held_out(
-    job: Job, rank: Rank, processor: Any, records: list[dict], guard: bool, tally: SkipTally
-) -> tuple[Any, Any]:
+def _held_out(job: Job, rank: Rank, processor: Any, records: Records, guard: bool, tally: SkipTally) -> tuple[Any, Any]:
     """The held-out loss loader and this rank's exact-match samples (None without data.eval_accuracy)."""
     data = job.config.data
-    eval_set, collate, eval_records, _ = _split(job, rank, processor, records, "eval", guard, tally)
+    eval_set, collate, kept, _ = _split(job, rank, processor, records, "eval", guard, tally)
     sampler = DistributedSampler(eval_set, num_replicas=rank.world_size, rank=rank.rank, shuffle=False)
     generator = torch.Generator().manual_seed(int(job.config.train.seed))
     loader = DataLoader(
@@ -187,15 +186,16 @@ def _held_out(
     if not data.eval_accuracy:
         return loader, None
     # The same number of samples per rank: under ZeRO-3 the ranks' generate calls run in lock-step.
-    usable = min(int(data.eval_samples), len(eval_records)) // rank.world_size * rank.world_size
-    return loader, ConversationDataset(eval_records[:usable][rank.rank :: rank.world_size])
+    usable = min(int(data.eval_samples), len(kept)) // rank.world_size * rank.world_size
+    return loader, ConversationDataset([records[index] for index in kept[:usable][rank.rank :: rank.world_size]])
 
 
 def _split(
-    job: Job, rank: Rank, processor: Any, records: list[dict], split: str, guard: bool, tally: SkipTally
-) -> tuple[Any, Any, list[dict], CacheInfo | None]:
-    """(dataset, collate function, the records that train, the cache's CacheInfo or None) of one split,
-    through the data cache or not, under data.max_length: both ways cut and skip the same records."""
+    job: Job, rank: Rank, processor: Any, records: Records, split: str, guard: bool, tally: SkipTally
+) -> tuple[Any, Any, list[int], CacheInfo | None]:
+    """(dataset, collate function, the positions of the records that train, the cache's CacheInfo or None)
+    of one split, through the data cache or not, under data.max_length: both ways cut and skip the same
+    records."""
     data = job.config.data
     limit = LengthLimit.of(data)
     if data.cache:
@@ -204,7 +204,7 @@ def _split(
         tally.too_long += info.too_long
         tally.truncated += info.truncated
         tally.entries += [{"split": split, **entry} for entry in info.skip_log]
-        kept = [records[index] for index in dataset.indices]  # those that decoded and fit
+        kept = list(dataset.indices)  # those that decoded and fit
         return dataset, CachedCollator(processor, image_every_batch=guard), kept, info
     report = fit_records(records, processor, limit, num_workers=int(data.num_workers))
     tally.too_long += len(report.skipped)
@@ -213,11 +213,11 @@ def _split(
         record = records[index]
         entry = skipped_entry(record.get("file", ""), record.get("index", index), reason)
         tally.entries.append({"split": split, **entry})
-    kept = [records[index] for index in report.kept]
-    return ConversationDataset(kept), Collator(processor, image_every_batch=guard, limit=limit), kept, None
+    kept = Subset(records, report.kept) if len(report.kept) < len(records) else records
+    return ConversationDataset(kept), Collator(processor, image_every_batch=guard, limit=limit), report.kept, None
 
 
-def _cached(job: Job, rank: Rank, processor: Any, records: list[dict], limit: LengthLimit) -> tuple[Any, CacheInfo]:
+def _cached(job: Job, rank: Rank, processor: Any, records: Records, limit: LengthLimit) -> tuple[Any, CacheInfo]:
     """The records as a CachedDataset; every rank builds its share of a missing cache (launcher.data.cache)."""
     data = job.config.data
     info = ensure_cache(

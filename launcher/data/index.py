@@ -1,0 +1,199 @@
+"""The record index: each data file's records, read and checked once, kept as a memory-mapped Arrow file.
+
+Reading a data file means parsing it (a 665K-record LLaVA JSON is ~1 GB of text) and checking every
+record and image header: minutes, and gigabytes of Python objects in every process that does it (the
+launcher and each rank). The first reader of a file writes its records, in the common form of
+launcher/data/formats.py, to cache_dir/record_index/KEY.arrow; every later reader, in any process,
+memory-maps that file. A record is made into a dict only when it is asked for, so what a process holds
+does not grow with the set: the pages of the file live in the page cache, shared by every process of the
+machine. KEY covers the file's path, size and modification time and the read options (format, image
+root, bad-record handling, image checks): an edited file, or other options, make a new index.
+
+Hub ids (read through `datasets`, whose own cache is Arrow already) are read as before, into a list.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from launcher.data.formats import ReadOptions, read_records
+
+INDEX_VERSION = 1
+BATCH_ROWS = 4096  # records per Arrow record batch: what one sequential read parses at a time
+IMAGE = pa.struct([("path", pa.string()), ("bytes", pa.binary())])
+SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("where", pa.string()),
+        ("file", pa.string()),
+        ("index", pa.int64()),
+        ("images", pa.list_(IMAGE)),
+        ("messages", pa.string()),  # JSON: the chat-template messages
+    ]
+)
+
+
+class RecordTable(Sequence):
+    """The records of one indexed file: a memory-mapped Arrow table, each record made a dict when read.
+
+    Pickles as its path (a DataLoader worker maps the file itself)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._table: pa.Table | None = None
+        self._length = int(json.loads(self.path.with_suffix(".json").read_text())["records"])
+
+    @property
+    def table(self) -> pa.Table:
+        if self._table is None:
+            with pa.memory_map(str(self.path)) as source:
+                self._table = pa.ipc.open_file(source).read_all()
+        return self._table
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: int) -> dict:  # type: ignore[override]
+        if not -self._length <= index < self._length:
+            raise IndexError(index)
+        row = self.table.slice(index % self._length, 1).to_pylist()[0]
+        return _record(row)
+
+    def __iter__(self) -> Iterator[dict]:
+        for batch in self.table.to_batches(max_chunksize=BATCH_ROWS):
+            for row in batch.to_pylist():
+                yield _record(row)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_table": None}
+
+
+class Records(Sequence):
+    """The records of several sources as one sequence: record i of source s carries "source": s.
+
+    Each source's records are a RecordTable or a list; `sources` gives every record's source number
+    without reading the records."""
+
+    def __init__(self, parts: list[Sequence[dict]], numbers: list[int] | None = None):
+        self.parts = parts
+        self.numbers = numbers if numbers is not None else list(range(len(parts)))
+        self.starts = np.cumsum([0, *(len(part) for part in parts)]).tolist()
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getitem__(self, index: int) -> dict:  # type: ignore[override]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        part = bisect.bisect_right(self.starts, index) - 1
+        return {**self.parts[part][index - self.starts[part]], "source": self.numbers[part]}
+
+    def __iter__(self) -> Iterator[dict]:
+        for part, number in zip(self.parts, self.numbers, strict=True):
+            for record in part:
+                yield {**record, "source": number}
+
+    def fingerprint(self) -> str | None:
+        """What the records are, without reading them: their index files and sources; None when a part is
+        not indexed (a hub id's list)."""
+        if not all(isinstance(part, RecordTable) for part in self.parts):
+            return None
+        return json.dumps([[part.path.stem, number] for part, number in zip(self.parts, self.numbers, strict=True)])
+
+    @property
+    def sources(self) -> np.ndarray:
+        """Each record's source number, in order."""
+        return np.repeat(np.asarray(self.numbers, dtype=np.int64), [len(part) for part in self.parts])
+
+
+def indexed_records(
+    path: str, options: ReadOptions, index_dir: Path, skip_log: list[dict] | None = None
+) -> tuple[Sequence[dict], int, str]:
+    """(records, skipped, format) of one data file, as launcher.data.formats.read_records gives them, read
+    from the file's index (built here when missing). A hub id is read into a list, unindexed."""
+    identity = _identity(path)
+    if identity is None:
+        return read_records(path, options, skip_log)
+    key = hashlib.sha256(
+        json.dumps([INDEX_VERSION, identity, asdict(options)], sort_keys=True, default=str).encode()
+    ).hexdigest()[:20]
+    table = index_dir / f"{key}.arrow"
+    meta = _read_meta(table)
+    if meta is None:
+        records, skipped, fmt = read_records(path, options, log := [])
+        meta = {"version": INDEX_VERSION, "records": len(records), "skipped": skipped, "format": fmt, "skip_log": log}
+        _write(table, records, meta)
+    if skip_log is not None:
+        skip_log += meta["skip_log"]
+    return RecordTable(table), int(meta["skipped"]), str(meta["format"])
+
+
+def _identity(path: str) -> list[Any] | None:
+    """What says a local data file (or `datasets` folder) changed: its path, and each file's size and
+    modification time; None for a hub id."""
+    local = Path(path).expanduser()
+    if not local.exists():
+        return None
+    files = sorted(p for p in local.rglob("*") if p.is_file()) if local.is_dir() else [local]
+    stats = [(str(p.relative_to(local)), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return [os.path.abspath(local), stats]
+
+
+def _read_meta(table: Path) -> dict | None:
+    try:
+        meta = json.loads(table.with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if meta.get("version") == INDEX_VERSION and table.is_file() else None
+
+
+def _write(table: Path, records: list[dict], meta: dict) -> None:
+    """The Arrow file, then its .json (which marks it complete), each written aside and renamed into place:
+    readers at the same time see the whole index or none."""
+    table.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=table.parent, prefix=f".{table.stem}.", suffix=".arrow", delete=False) as tmp:
+        try:
+            with pa.ipc.new_file(tmp, SCHEMA) as writer:
+                for start in range(0, len(records), BATCH_ROWS):
+                    rows = [_row(record) for record in records[start : start + BATCH_ROWS]]
+                    writer.write_batch(pa.RecordBatch.from_pylist(rows, schema=SCHEMA))
+        except BaseException:
+            os.unlink(tmp.name)
+            raise
+    os.replace(tmp.name, table)
+    done = table.with_suffix(".json")
+    partial = done.with_name(f".{done.name}.{os.getpid()}")
+    partial.write_text(json.dumps(meta) + "\n")
+    os.replace(partial, done)
+
+
+def _row(record: dict) -> dict:
+    images = [
+        {"path": None, "bytes": i} if isinstance(i, bytes) else {"path": i, "bytes": None} for i in record["images"]
+    ]
+    return {
+        "id": record["id"],
+        "where": record["where"],
+        "file": record["file"],
+        "index": record["index"],
+        "images": images,
+        "messages": json.dumps(record["messages"]),
+    }
+
+
+def _record(row: dict) -> dict:
+    images = [image["bytes"] if image["path"] is None else image["path"] for image in row["images"]]
+    return {**row, "images": images, "messages": json.loads(row["messages"])}
