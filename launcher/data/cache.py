@@ -27,8 +27,8 @@ lists, and the page cache shares the bytes between DataLoader workers and ranks 
 The key covers what the tensors and their bookkeeping depend on: the records (for indexed files, the
 record index's key: each data file's path, size and modification time and how it was read; for records
 read into a list, their source, text, and each image's path, size and modification time, or its bytes:
-so an image replaced in place under the same name is noticed only then), the processor (tokenizer, chat template, image
-settings such as min/max pixels), the model, data.max_length / data.truncation (a record over the limit
+so an image replaced in place under the same name is noticed only then), the processor (tokenizer,
+chat template, image settings such as min/max pixels), the model, data.max_length / data.truncation (a record over the limit
 is stored cut, or skipped) and data.cache_images. A change to any of them builds a new cache; a
 complete cache is reused.
 """
