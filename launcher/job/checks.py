@@ -29,14 +29,14 @@ from launcher.model.stats import fewest_image_tokens, frozen_meta_model, model_d
 def check_inputs(config: Config, job: Job, *, launching: bool) -> None:
     """What the ranks would stop on, checked here so that it stops the job before any rank starts.
 
-    Data files and loader settings, the cache directory, a local model directory's weights, a tiny
-    model's records (read anyway for its vocabulary), the method (adapter targets, 4-bit loading), the
+    Data files and loader settings, the cache directory, a local model directory's weights, the records
+    (indexed here, `check_records`), the method (adapter targets, 4-bit loading), the
     attention kernel and image resolution, and whether this machine has a device for every rank it
     would start (not for a dry run, which may plan a job for a bigger machine)."""
     check_data(config.data)
     check_cache_dir(config)
     check_model_files(config.model)
-    check_tiny_model_records(config, micro_batch=job.micro_batch, world_size=job.world_size)
+    check_records(config, micro_batch=job.micro_batch, world_size=job.world_size, launching=launching)
     check_method(config, job.device.kind, launching=launching)
     if uses_adapters(config.method):
         check_adapter_targets(frozen_meta_model(config), config)
@@ -186,10 +186,15 @@ def check_cache_dir(cfg: Config) -> None:
         )
 
 
-def check_tiny_model_records(cfg: Config, *, micro_batch: int, world_size: int) -> None:
-    """A tiny model's vocabulary comes from the data: read the records here, as the memory preflight
-    would, so that a bad record is reported once, as an error, before any rank starts."""
-    if str(cfg.model.source) != "tiny" or cfg.data.synthetic:
+def check_records(cfg: Config, *, micro_batch: int, world_size: int, launching: bool) -> None:
+    """Read the records here, before any rank starts, so that a bad record is reported once, as an error;
+    the first read indexes each data file (launcher.data.index), which the ranks then open instead of
+    each parsing the file. For a tiny model always (its vocabulary comes from the data); otherwise when
+    the ranks start on this machine (local, torchrun), whose cache_dir they share: under DeepSpeed's
+    hostfile or SLURM the data may be where only the ranks see it, and they index it themselves."""
+    if cfg.data.synthetic:
+        return
+    if str(cfg.model.source) != "tiny" and not (launching and cfg.dist.launcher in ("local", "torchrun")):
         return
     records = read_data(cfg.data, Path(str(cfg.cache_dir)).expanduser().absolute()).train
     require_one_global_batch(len(records), micro_batch, world_size)

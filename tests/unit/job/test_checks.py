@@ -4,6 +4,8 @@ tests/unit/launch/test_run.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
@@ -93,3 +95,33 @@ def test_deepspeeds_own_models_name_the_section_of_the_key_they_reject():
         checks.validate_with_deepspeed(ds)
     ds["zero_optimization"]["offload_optimizer"]["buffer_count"] = 4
     checks.validate_with_deepspeed(ds)  # train_batch_size is the world's: DeepSpeed is shown one rank's
+
+
+def _data_job(tmp_path, rows: list[dict], *extra: str):
+    from PIL import Image
+
+    Image.new("RGB", (8, 8), "red").save(tmp_path / "a.png")
+    (tmp_path / "data.json").write_text(json.dumps(rows))
+    data = [f"data.path={tmp_path / 'data.json'}", f"cache_dir={tmp_path / 'c'}"]
+    return compose_typed(["model=qwen2_vl_2b", "data=llava_json", *data, *extra])
+
+
+def test_the_launcher_indexes_the_records_its_ranks_will_open_once_before_they_start(tmp_path):
+    """A pretrained model's job started here: the launcher reads (and indexes) the data, so a bad record
+    stops it in one line and the ranks open the index; a dry run, or ranks placed by SLURM, leave it to them."""
+    good = {
+        "image": "a.png",
+        "conversations": [{"from": "human", "value": "<image>hi"}, {"from": "gpt", "value": "yo"}],
+    }
+    index = tmp_path / "c" / "record_index"
+    checks.check_records(_data_job(tmp_path, [good] * 4), micro_batch=2, world_size=2, launching=False)
+    checks.check_records(_data_job(tmp_path, [good] * 4, "dist=slurm"), micro_batch=2, world_size=2, launching=True)
+    assert not index.exists()
+    checks.check_records(_data_job(tmp_path, [good] * 4), micro_batch=2, world_size=2, launching=True)
+    assert len(list(index.glob("*.arrow"))) == 1
+    with pytest.raises(LauncherError, match=r"data.json record 1: .*missing.png"):
+        checks.check_records(
+            _data_job(tmp_path, [good, {**good, "image": "missing.png"}]), micro_batch=1, world_size=1, launching=True
+        )
+    with pytest.raises(LauncherError, match=r"fewer than one global micro-batch \(2 x 4 ranks\)"):
+        checks.check_records(_data_job(tmp_path, [good] * 4), micro_batch=2, world_size=4, launching=True)
