@@ -28,9 +28,9 @@ The key covers what the tensors and their bookkeeping depend on: the records (fo
 record index's key: each data file's path, size and modification time and how it was read; for records
 read into a list, their source, text, and each image's path, size and modification time, or its bytes:
 so an image replaced in place under the same name is noticed only then), the processor (tokenizer,
-chat template, image settings such as min/max pixels), the model, data.max_length / data.truncation (a record over the limit
-is stored cut, or skipped) and data.cache_images. A change to any of them builds a new cache; a
-complete cache is reused.
+chat template, image settings such as min/max pixels), the model, data.max_length / data.truncation (a
+record over the limit is stored cut, or skipped) and data.cache_images. A change to any of them builds a
+new cache; a complete cache is reused.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -61,9 +62,12 @@ from launcher.data.length import LengthLimit, RecordTooLong, fit_to_length, one_
 
 log = logging.getLogger("launcher")
 
-# 4: images kept encoded (data.cache_images), shards built by every rank; 3: data.max_length in the key
-CACHE_VERSION = 4
+# 5: which records it holds in arrays (records.npz, ids.arrow), not in meta.json; 4: images kept encoded
+# (data.cache_images), shards built by every rank; 3: data.max_length in the key
+CACHE_VERSION = 5
 META_FILE = "meta.json"
+RECORDS_FILE = "records.npz"
+IDS_FILE = "ids.arrow"
 INDEX_FILE = "index.npz"
 SHARD_FILE = "shard.json"
 SHARD_RECORDS = 2048  # records per shard: what a killed build loses at most, per rank
@@ -305,6 +309,7 @@ class _ShardBuild:
         meta = _meta(key, model, self.records, shards, self.encode, round(time.perf_counter() - started, 3))
         for leftover in (self.building / "shards").glob(".*"):  # temporary shards of killed builds
             shutil.rmtree(leftover, ignore_errors=True)
+        _write_records(self.building, shards)
         (self.building / META_FILE).write_text(json.dumps(meta) + "\n")  # last: its presence marks a complete cache
         self.building.chmod(0o755)
         try:
@@ -319,8 +324,8 @@ class _ShardBuild:
 def _meta(
     key: str, model: str, records: Sequence[dict], shards: list[_Written], encode: RecordEncoder, seconds: float
 ) -> dict:
-    """meta.json of a cache built: which records it holds, which it skipped or cut, and why, each tensor's
-    layout; or the one line saying that no record is left."""
+    """meta.json of a cache built: how many records it holds, which it skipped or cut, and why, each tensor's
+    layout; or the one line saying that no record is left. Which records it holds: `_write_records`."""
     kept = [index for shard in shards for index in shard.kept]
     skipped, too_long = sum(s.skipped for s in shards), sum(s.too_long for s in shards)
     if not kept and not too_long:
@@ -349,13 +354,27 @@ def _meta(
         "truncated": sum(s.cut for s in shards),
         "too_long": too_long,
         "skip_log": [entry for shard in shards for entry in shard.skip_log],
-        "indices": kept,  # positions in the records given: which survived a skip
-        "ids": [records[i]["id"] for i in kept],
-        "sources": [records[i].get("source", 0) for i in kept],
         "shards": [len(shard.kept) for shard in shards],
         "layout": layout,
         "build_seconds": seconds,
     }
+
+
+def _write_records(out: Path, shards: list[_Written]) -> None:
+    """Which records the cache holds, in order: their positions in the records given (which survived a
+    skip) and sources (records.npz), and their ids (ids.arrow). Arrays, read as arrays or memory-mapped,
+    not JSON lists that every rank would make Python objects of."""
+    np.savez(
+        out / RECORDS_FILE,
+        indices=np.asarray([i for shard in shards for i in shard.kept], dtype=np.int64),
+        sources=np.asarray([s for shard in shards for s in shard.sources], dtype=np.int64),
+    )
+    ids = pa.array([i for shard in shards for i in shard.ids], type=pa.string())
+    with (
+        pa.OSFile(str(out / IDS_FILE), "wb") as sink,
+        pa.ipc.new_file(sink, pa.schema([("id", pa.string())])) as writer,
+    ):
+        writer.write_batch(pa.RecordBatch.from_arrays([ids], names=["id"]))
 
 
 def _info(path: Path, meta: dict, *, built: bool) -> CacheInfo:
@@ -374,8 +393,8 @@ def _info(path: Path, meta: dict, *, built: bool) -> CacheInfo:
 
 
 class _Decoded(Dataset):
-    """Record i of a span -> (i, its tensors, whether they were cut) or (i, the BadRecordError, False);
-    decoding and encoding run in the workers."""
+    """Record i of a span -> (i, its tensors, whether they were cut, its id, its source), the tensors
+    being the BadRecordError where it has none; decoding and encoding run in the workers."""
 
     def __init__(self, records: Sequence[dict], span: range, load: Callable[[int], dict], encode: RecordEncoder):
         self.records, self.span, self.load, self.encode = records, span, load, encode
@@ -383,13 +402,14 @@ class _Decoded(Dataset):
     def __len__(self) -> int:
         return len(self.span)
 
-    def __getitem__(self, position: int) -> tuple[int, Any, bool]:
+    def __getitem__(self, position: int) -> tuple[int, Any, bool, str, int]:
         index = self.span[position]
+        record = self.records[index]
         try:
-            tensors, cut = self.encode(self.load(index), self.records[index]["images"])
-            return index, {k: v.numpy() for k, v in tensors.items()}, cut
+            tensors, cut = self.encode(self.load(index), record["images"])
+            return index, {k: v.numpy() for k, v in tensors.items()}, cut, record["id"], record.get("source", 0)
         except BadRecordError as error:  # RecordTooLong among them
-            return index, error, False
+            return index, error, False, record["id"], record.get("source", 0)
 
 
 @dataclass
@@ -397,6 +417,8 @@ class _Written:
     """What one shard holds (shard.json)."""
 
     kept: list[int] = field(default_factory=list)  # positions of the records written
+    ids: list[str] = field(default_factory=list)  # and their ids
+    sources: list[int] = field(default_factory=list)  # and their sources (of a mixture)
     skipped: int = 0  # bad records skipped (data.on_bad_record=skip)
     cut: int = 0  # records written cut to data.max_length
     too_long: int = 0  # records over data.max_length not written
@@ -433,7 +455,7 @@ def _write_tensors(
     offsets: dict[str, list[int]] = {}
     written = _Written()
     try:
-        for index, tensors, cut in loader:
+        for index, tensors, cut, record_id, source in loader:
             if isinstance(tensors, BadRecordError):
                 _skip(written, records[index], index, tensors, on_bad_record)
                 continue
@@ -452,6 +474,8 @@ def _write_tensors(
             for name in files:  # a record without a tensor (no images) holds zero rows of it
                 offsets[name].append(offsets[name][-1] + (tensors[name].shape[0] if name in tensors else 0))
             written.kept.append(index)
+            written.ids.append(record_id)
+            written.sources.append(source)
     finally:
         for handle in files.values():
             handle.close()
@@ -496,7 +520,10 @@ class CachedDataset(Dataset):
         meta = _read_meta(self.path)
         if meta is None:
             raise LauncherError(f"{self.path}: not a complete data cache; delete it to have it built again")
-        self.ids, self.sources, self.indices = meta["ids"], meta["sources"], meta["indices"]
+        with np.load(self.path / RECORDS_FILE) as arrays:
+            self.indices, self.sources = arrays["indices"], arrays["sources"]
+        self._length = int(meta["records"])
+        self._ids: pa.Array | None = None  # memory-mapped when first read, in each worker
         self.encoded = IMAGE_BYTES in meta["layout"]
         if self.encoded and processor is None:
             raise LauncherError(f"{self.path}: its images are encoded; reading it needs the processor")
@@ -522,7 +549,13 @@ class CachedDataset(Dataset):
         return self.path / "shards" / f"{number:05d}"
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return self._length
+
+    def record_id(self, index: int) -> str:
+        if self._ids is None:
+            with pa.memory_map(str(self.path / IDS_FILE)) as source:
+                self._ids = pa.ipc.open_file(source).read_all().column("id")
+        return self._ids[index].as_py()
 
     def lengths(self) -> list[int]:
         """Tokens per record (image tokens included): what length-grouped batches sort by."""
@@ -551,9 +584,10 @@ class CachedDataset(Dataset):
             name: torch.from_numpy(np.array(maps[name][offsets[name][local] : offsets[name][local + 1]]))
             for name in self.names
         }
+        record_id = self.record_id(index)
         if self.encoded:
-            tensors = self._decoded(tensors, self.ids[index])
-        return {"tensors": tensors, "id": self.ids[index], "source": self.sources[index]}
+            tensors = self._decoded(tensors, record_id)
+        return {"tensors": tensors, "id": record_id, "source": int(self.sources[index])}
 
     def _decoded(self, tensors: dict[str, torch.Tensor], record_id: str) -> dict[str, torch.Tensor]:
         """The record's tensors with its stored image bytes made into the processor's pixel values."""
@@ -566,7 +600,7 @@ class CachedDataset(Dataset):
         return tensors
 
     def __getstate__(self) -> dict:  # workers open their own maps
-        return {**self.__dict__, "_maps": None}
+        return {**self.__dict__, "_maps": None, "_ids": None}
 
 
 class CachedCollator:

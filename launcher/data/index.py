@@ -65,6 +65,8 @@ class RecordTable(Sequence):
         return self._length
 
     def __getitem__(self, index: int) -> dict:  # type: ignore[override]
+        if isinstance(index, slice):  # a list of the records, as a list's slice is
+            return [self[i] for i in range(*index.indices(len(self)))]
         if not -self._length <= index < self._length:
             raise IndexError(index)
         row = self.table.slice(index % self._length, 1).to_pylist()[0]
@@ -94,6 +96,8 @@ class Records(Sequence):
         return self.starts[-1]
 
     def __getitem__(self, index: int) -> dict:  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
         if index < 0:
             index += len(self)
         if not 0 <= index < len(self):

@@ -11,10 +11,11 @@ RUN/skipped_records.jsonl.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
@@ -92,7 +93,7 @@ def build_data(
     tally = SkipTally(bad=loaded.skipped, entries=list(loaded.skip_log))
     train_set, collate, train_kept, train_cache = _split(job, rank, processor, loaded.train, "train", guard, tally)
     require_one_global_batch(len(train_set), micro, rank.world_size)  # decoding and length may drop records
-    sources = train_set.sources if train_cache is not None else loaded.train.sources[train_kept].tolist()
+    sources = train_set.sources if train_cache is not None else loaded.train.sources[train_kept]
     sampler = _sampler(job, rank, loaded, train_set, sources)
     train_loader = DataLoader(
         train_set, batch_size=micro, sampler=sampler, drop_last=True, generator=torch.Generator(),
@@ -147,11 +148,11 @@ def read_records(job: Job, rank: Rank) -> LoadedData:
     return loaded
 
 
-def _sampler(job: Job, rank: Rank, loaded: LoadedData, train_set: Any, sources: list[int]) -> Any:
+def _sampler(job: Job, rank: Rank, loaded: LoadedData, train_set: Any, sources: np.ndarray) -> Any:
     """Whose indices the training loader takes: a mixture's, length-grouped ones, or a shuffled shard."""
     placement = {"num_replicas": rank.world_size, "rank": rank.rank, "seed": int(job.config.train.seed)}
     if loaded.mixture:
-        sizes = [sources.count(index) for index in range(len(loaded.sources))]
+        sizes = np.bincount(sources, minlength=len(loaded.sources)).tolist()
         return MixtureSampler(sizes, [source.weight for source in loaded.sources], **placement)
     if job.config.data.group_by_length:
         return LengthGroupedSampler(train_set.lengths(), micro=job.micro_batch, **placement)
@@ -187,12 +188,12 @@ def _held_out(job: Job, rank: Rank, processor: Any, records: Records, guard: boo
         return loader, None
     # The same number of samples per rank: under ZeRO-3 the ranks' generate calls run in lock-step.
     usable = min(int(data.eval_samples), len(kept)) // rank.world_size * rank.world_size
-    return loader, ConversationDataset([records[index] for index in kept[:usable][rank.rank :: rank.world_size]])
+    return loader, ConversationDataset([records[int(i)] for i in kept[:usable][rank.rank :: rank.world_size]])
 
 
 def _split(
     job: Job, rank: Rank, processor: Any, records: Records, split: str, guard: bool, tally: SkipTally
-) -> tuple[Any, Any, list[int], CacheInfo | None]:
+) -> tuple[Any, Any, Sequence[int], CacheInfo | None]:
     """(dataset, collate function, the positions of the records that train, the cache's CacheInfo or None)
     of one split, through the data cache or not, under data.max_length: both ways cut and skip the same
     records."""
@@ -204,7 +205,7 @@ def _split(
         tally.too_long += info.too_long
         tally.truncated += info.truncated
         tally.entries += [{"split": split, **entry} for entry in info.skip_log]
-        kept = list(dataset.indices)  # those that decoded and fit
+        kept = dataset.indices  # those that decoded and fit
         return dataset, CachedCollator(processor, image_every_batch=guard), kept, info
     report = fit_records(records, processor, limit, num_workers=int(data.num_workers))
     tally.too_long += len(report.skipped)

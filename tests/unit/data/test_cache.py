@@ -8,6 +8,7 @@ model families. The guard's dummy image itself: tests/unit/data/test_collate.py.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import pickle
 import threading
@@ -131,7 +132,7 @@ def test_the_cache_cuts_and_skips_records_over_max_length_as_the_collator_does(t
     uncached = fit_records(records, processor, limit, num_workers=0)
     assert info.skip_log == [skipped_entry(str(tmp_path / "long.json"), 3, uncached.skipped[0][1])]
     cached = CachedDataset(info.path, processor)
-    assert cached.indices == uncached.kept == [0, 1, 2] and max(cached.lengths()) == 64
+    assert cached.indices.tolist() == uncached.kept == [0, 1, 2] and max(cached.lengths()) == 64
     live = ConversationDataset(records)
     for rows in ([0, 1, 2], [1], [0], [2, 0]):
         expected = Collator(processor, limit=limit)([live[i] for i in rows])
@@ -160,8 +161,9 @@ def test_undecodable_images_are_skipped_while_building_or_stop_it(tmp_path, mixe
     [entry] = info.skip_log  # for RUN/skipped_records.jsonl: the line data.on_bad_record=error stops with
     assert (entry["file"], entry["record"]) == (records[5]["file"], 5)
     assert entry["reason"].startswith(f"{records[5]['where']}: cannot decode image {cut}")
-    assert CachedDataset(info.path, processor).ids == [r["id"] for r in records if r["id"] != "5"]
-    assert CachedDataset(info.path, processor).indices == [i for i in range(12) if i != 5]
+    cached = CachedDataset(info.path, processor)
+    assert [cached[i]["id"] for i in range(len(cached))] == [r["id"] for r in records if r["id"] != "5"]
+    assert cached.indices.tolist() == [i for i in range(12) if i != 5]
     with pytest.raises(BadRecordError, match=r"record 5: cannot decode image .*cut.png"):
         build(tmp_path / "strict", records, processor)
     # Nothing that looks complete: the build's directory keeps the shard done before the bad record
@@ -200,9 +202,14 @@ def test_a_cached_dataset_pickles_without_its_memory_maps(tmp_path, mixed_record
     info = build(tmp_path, mixed_records, processor)
     cached = CachedDataset(info.path, processor)
     first = cached[3]
-    assert cached._maps is not None
+    assert cached._maps is not None and cached._ids is not None
     clone = pickle.loads(pickle.dumps(cached))
-    assert clone._maps is None and (clone.ids, clone.indices) == (cached.ids, cached.indices)
+    assert clone._maps is None and clone._ids is None and clone.indices.tolist() == cached.indices.tolist()
+    assert clone[3]["id"] == first["id"] and clone.sources.tolist() == cached.sources.tolist()
+    # Which records it holds are arrays (records.npz, ids.arrow): meta.json, which every rank parses, holds
+    # no list as long as the records.
+    meta = json.loads((info.path / "meta.json").read_text())
+    assert not [key for key, value in meta.items() if isinstance(value, list) and len(value) >= len(cached)]
     assert all(torch.equal(clone[3]["tensors"][name], tensor) for name, tensor in first["tensors"].items())
     (info.path / "meta.json").unlink()  # what a crash before the last write leaves
     with pytest.raises(LauncherError, match=r"not a complete data cache; delete it to have it built again"):

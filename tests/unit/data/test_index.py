@@ -41,6 +41,7 @@ def test_an_indexed_file_gives_the_records_it_reads_to_and_reads_them_once(tmp_p
     assert isinstance(records, RecordTable) and (skipped, fmt) == (0, "llava")
     assert len(records) == 3 and list(records) == expected
     assert [records[i] for i in (0, 1, 2, -1)] == [*expected, expected[-1]]
+    assert records[1:] == expected[1:] and Records([records])[:2] == [{**r, "source": 0} for r in expected[:2]]
     with pytest.raises(IndexError):
         records[3]
     (tmp_path / "a.png").unlink()  # read again from the index: no image header is opened
