@@ -29,7 +29,16 @@ HOST_PEAK = "mem/host_peak_bytes"
 
 
 def host_peak_bytes() -> int:
-    """This process's peak resident set size (Linux reports KiB)."""
+    """This process's peak resident set size: VmHWM on Linux, which is its own; ru_maxrss elsewhere (Linux's
+    carries the larger of it and the parent's at the fork over the exec: a rank torchrun started would
+    report torchrun's memory when its own is smaller)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 

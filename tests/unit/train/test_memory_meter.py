@@ -3,11 +3,15 @@ CUDA side runs on a GPU machine: marked `gpu`, and in tests/gpu/)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from launcher.train import memory_meter
 from launcher.train.memory_meter import MemoryMeter, host_peak_bytes, pinned_host_bytes
+from tests.helpers import ROOT
 
 
 def test_on_a_cpu_the_memory_figure_is_the_process_peak_resident_set():
@@ -22,6 +26,21 @@ def test_the_host_peak_only_grows():
     held[::4096] = b"x" * len(held[::4096])
     assert host_peak_bytes() >= max(before, 64 * 2**20)
     del held
+
+
+def test_a_child_process_reports_its_own_peak_not_its_parents():
+    """A rank that torchrun forked reports its own memory: ru_maxrss would report the parent's 1.5 GiB."""
+    held = bytearray(1536 * 2**20)
+    held[::4096] = b"x" * len(held[::4096])
+    child = subprocess.run(
+        [sys.executable, "-c", "from launcher.train.memory_meter import host_peak_bytes; print(host_peak_bytes())"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
+    del held
+    assert 0 < int(child.stdout.strip()) < 1024 * 2**20
 
 
 def test_pinned_bytes_are_read_from_the_host_allocator_stats_of_any_layout():
