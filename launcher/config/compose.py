@@ -38,3 +38,19 @@ def without_hydra(cfg: DictConfig) -> tuple[DictConfig, DictConfig]:
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg, hydra_node
+
+
+def composition_error(err: BaseException) -> str:
+    """The one line a config that does not compose gets: Hydra's first line with the reason it gives
+    below it or in its cause ("Could not override 'zero.stag'.: Key 'stag' not in 'ZeroConfig'"), and a
+    preset group's choices inline."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    text = lines[0] if lines else type(err).__name__
+    available = next((i for i, line in enumerate(lines) if line.startswith("Available options in")), None)
+    if available is not None:  # a preset that does not exist: its group's choices, up to Hydra's search path
+        end = next((i for i, line in enumerate(lines) if line.startswith("Config search path")), len(lines))
+        return f"{text}; {lines[available].rstrip(':')}: {', '.join(lines[available + 1 : end])}"
+    cause = err.__cause__
+    if cause is not None and str(cause).strip():
+        text = f"{text.rstrip('.')}: {str(cause).strip().splitlines()[0]}"
+    return text

@@ -53,12 +53,13 @@ import pyarrow as pa
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from launcher.config.schema import CacheImages
+from launcher.config.schema import CacheImages, DataConfig
 from launcher.core.errors import LauncherError, TrainingFailed
 from launcher.data.collate import Collator, add_dummy_image, nothing_fits
 from launcher.data.formats import BadRecordError, open_image, skipped_entry
 from launcher.data.index import Records
 from launcher.data.length import LengthLimit, RecordTooLong, fit_to_length, one_row, pad_rows, unchanged
+from launcher.data.records import ConversationDataset
 
 log = logging.getLogger("launcher")
 
@@ -223,6 +224,24 @@ def ensure_cache(
     if meta is None:  # this rank's cache_dir is not rank 0's (another node's own disk): finish it here
         meta = build.finish(path, key, model, started)
     return _info(path, meta, built=not existed)
+
+
+def ensure_job_cache(
+    data: DataConfig, cache: Path, model: str, processor: Any, records: Sequence[dict], part: Part
+) -> CacheInfo:
+    """The cache of one split of a job's records, as a job with this `data` config and `model` (its
+    resolved path) keys and builds it: the job itself, and `python -m launcher.prepare` before it."""
+    return ensure_cache(
+        cache / "data_cache",
+        records,
+        processor,
+        model,
+        RecordEncoder(processor, LengthLimit.of(data), str(data.cache_images)),
+        ConversationDataset(records).__getitem__,
+        on_bad_record=str(data.on_bad_record),
+        num_workers=int(data.num_workers),
+        part=part,
+    )
 
 
 def _unless_finished_elsewhere(path: Path, work: Callable[[], Any]) -> None:

@@ -242,6 +242,13 @@ def read_config(path_or_hub_id: str):
         ) from error
 
 
+def load_processor(path_or_hub_id: str, *, min_pixels: int | None = None, max_pixels: int | None = None):
+    """The processor alone, as `load_model_and_processor` loads it (what preparing a job's data needs)."""
+    processor = _load_processor(path_or_hub_id, read_config(path_or_hub_id))
+    set_pixel_limits(processor, min_pixels=min_pixels, max_pixels=max_pixels)
+    return processor
+
+
 def _load_processor(path_or_hub_id: str, config):
     try:
         return AutoProcessor.from_pretrained(path_or_hub_id)

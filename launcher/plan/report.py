@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from launcher.config.compose import compose
+from launcher.config.compose import compose, composition_error
 from launcher.config.precision import Device, fastest_precisions
 from launcher.config.ranges import check_config
 from launcher.config.schema import Config, PlanConfig, typed
@@ -288,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = typed(compose(overrides))
     except (HydraException, OmegaConfBaseException) as err:
-        print(f"error: {one_line(err)}", file=sys.stderr)
+        print(f"error: {composition_error(err)}", file=sys.stderr)
         return 1
     try:
         check_config(cfg)

@@ -24,7 +24,7 @@ from launcher.core.errors import LauncherError
 from launcher.core.logs import FILE_ONLY
 from launcher.core.rundir import RunDir
 from launcher.core.summary import Summary
-from launcher.data.cache import CachedCollator, CachedDataset, CacheInfo, Part, RecordEncoder, ensure_cache
+from launcher.data.cache import CachedCollator, CachedDataset, CacheInfo, Part, ensure_job_cache
 from launcher.data.collate import Collator, fit_records
 from launcher.data.formats import skipped_entry
 from launcher.data.index import Records
@@ -200,7 +200,7 @@ def _split(
     data = job.config.data
     limit = LengthLimit.of(data)
     if data.cache:
-        dataset, info = _cached(job, rank, processor, records, limit)
+        dataset, info = _cached(job, rank, processor, records)
         tally.bad += info.skipped
         tally.too_long += info.too_long
         tally.truncated += info.truncated
@@ -218,20 +218,10 @@ def _split(
     return ConversationDataset(kept), Collator(processor, image_every_batch=guard, limit=limit), report.kept, None
 
 
-def _cached(job: Job, rank: Rank, processor: Any, records: Records, limit: LengthLimit) -> tuple[Any, CacheInfo]:
+def _cached(job: Job, rank: Rank, processor: Any, records: Records) -> tuple[Any, CacheInfo]:
     """The records as a CachedDataset; every rank builds its share of a missing cache (launcher.data.cache)."""
-    data = job.config.data
-    info = ensure_cache(
-        cache_dir(job.config) / "data_cache",
-        records,
-        processor,
-        str(job.model_path),
-        RecordEncoder(processor, limit, str(data.cache_images)),
-        ConversationDataset(records).__getitem__,
-        on_bad_record=str(data.on_bad_record),
-        num_workers=int(data.num_workers),
-        part=Part(rank.rank, rank.world_size, barrier),
-    )
+    part = Part(rank.rank, rank.world_size, barrier)
+    info = ensure_job_cache(job.config.data, cache_dir(job.config), str(job.model_path), processor, records, part)
     if rank.is_main:
         log.info(
             "data cache %s: %s (%d records, %d skipped, %.1f MiB)",

@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("plan", "tracking"),
     ("train",),
     ("launch",),
-    ("tune", "compare", "export"),
+    ("tune", "compare", "export", "prepare"),
 )
 RANK = {package: rank for rank, packages in enumerate(LAYERS) for package in packages}
 

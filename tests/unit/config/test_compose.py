@@ -8,7 +8,7 @@ from hydra import initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig
 
-from launcher.config.compose import CONF_DIR, compose, without_hydra
+from launcher.config.compose import CONF_DIR, compose, composition_error, without_hydra
 from launcher.config.schema import typed
 from launcher.job.planning import training_length
 from tests.helpers import CONF, ROOT, compose_config
@@ -40,6 +40,22 @@ def test_compose_gives_the_task_config_and_with_hydra_also_hydras_node():
 def test_a_misspelt_key_fails_at_compose_time():
     with pytest.raises(ConfigCompositionException, match=r"train\.lrr"):
         compose(["train.lrr=1"])
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        ("zero.stag=3", "Could not override 'zero.stag': Key 'stag' not in 'ZeroConfig'"),
+        ("offload.optimizer=cpuu", "offload.optimizer=cpuu: Invalid value 'cpuu', expected one of [none, cpu, nvme]"),
+        ("deepspeed=z9", "Could not find 'deepspeed/z9'; Available options in 'deepspeed': z0, z1, z2, z2_offload"),
+    ],
+)
+def test_a_config_that_does_not_compose_gets_one_line_with_hydras_reason(override, line):
+    """The line the tools under train.py print (python -m launcher.plan, launcher.prepare)."""
+    with pytest.raises(Exception) as info:
+        compose([override])
+    text = composition_error(info.value)
+    assert line in text and "\n" not in text
 
 
 def test_inside_a_running_hydra_app_its_own_instance_composes(tmp_path):

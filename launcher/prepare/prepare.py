@@ -1,0 +1,103 @@
+"""`python -m launcher.prepare [OVERRIDES]`: a job's data prepared before the job.
+
+Builds what `python train.py OVERRIDES` would build before its first step, and nothing else: each data
+file's record index (cache_dir/record_index) and the data cache of the train and eval splits
+(cache_dir/data_cache), keyed as the job keys them, so the job and every later one with the same data,
+model and data settings (a sweep's every point, a resume) start on prepared data. On a cluster, run it on
+a CPU node with the cache_dir the job will use. With several processes each builds its share of the
+cache's shards at once:
+
+    python -m launcher.prepare data=llava_json data.path=/data/llava_665k.json model=llava_1_5_7b
+    torchrun --nproc_per_node 16 -m launcher.prepare data=llava_json data.path=... model=llava_1_5_7b
+
+Prints one line per split: the cache's directory, records, skipped, size and build time (or "reused").
+Exit codes as train.py's: 1 for a config that does not compose, 2 for bad input (one `error:` line).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from launcher.config.compose import compose, composition_error
+from launcher.config.ranges import check_config
+from launcher.config.schema import Config, typed
+from launcher.core.errors import LauncherError, one_line
+from launcher.data.cache import CacheInfo, Part, ensure_job_cache
+from launcher.data.records import read_data
+from launcher.job.planning import cache_dir
+from launcher.model.loading import load_processor
+from launcher.model.stats import model_dir
+
+
+def prepare(cfg: Config, part: Part) -> dict[str, CacheInfo]:
+    """The record index and each split's data cache of the job `cfg` describes (every process of `part`
+    calls it; process 0 indexes the data first, the others then open its index)."""
+    if not cfg.data.cache:
+        raise LauncherError("data.cache=false: the job reads its records as they are; there is no cache to prepare")
+    if part.rank != 0:
+        part.barrier()
+    model = model_dir(cfg)  # a tiny model is built from the data here, as the launcher builds it
+    loaded = read_data(cfg.data, cache_dir(cfg))
+    if part.rank == 0:
+        part.barrier()
+    processor = load_processor(model, min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
+    splits = {"train": loaded.train, "eval": loaded.eval}
+    return {
+        split: ensure_job_cache(cfg.data, cache_dir(cfg), str(model), processor, records, part)
+        for split, records in splits.items()
+        if len(records)
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    if any(arg in ("-h", "--help") for arg in overrides):
+        print(__doc__)
+        return 0
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        cfg = typed(compose(overrides))
+    except (HydraException, OmegaConfBaseException) as err:
+        print(f"error: {composition_error(err)}", file=sys.stderr)
+        return 1
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    part, group = _part()
+    started = time.perf_counter()
+    try:
+        check_config(cfg)
+        caches = prepare(cfg, part)
+    except LauncherError as err:
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return err.exit_code
+    finally:
+        if group:
+            import torch.distributed
+
+            torch.distributed.destroy_process_group()
+    if part.rank == 0:
+        for split, info in caches.items():
+            how = f"built in {info.build_seconds:.1f} s" if info.built else "reused"
+            print(
+                f"{split}: {info.path} ({info.records} records, {info.skipped} skipped, {info.bytes / 2**20:.1f} MiB; "
+                f"{how})"
+            )
+        print(f"prepared in {time.perf_counter() - started:.1f} s; jobs with the same data settings start on it")
+    return 0
+
+
+def _part() -> tuple[Part, bool]:
+    """This process's share: all of it, or under torchrun (WORLD_SIZE > 1) its rank's, with a gloo group
+    for the barriers."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Part(), False
+    import torch.distributed
+
+    torch.distributed.init_process_group("gloo")
+    return Part(torch.distributed.get_rank(), world, torch.distributed.barrier), True
