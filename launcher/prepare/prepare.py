@@ -10,7 +10,8 @@ cache's shards at once:
     python -m launcher.prepare data=llava_json data.path=/data/llava_665k.json model=llava_1_5_7b
     torchrun --nproc_per_node 16 -m launcher.prepare data=llava_json data.path=... model=llava_1_5_7b
 
-Prints one line per split: the cache's directory, records, skipped, size and build time (or "reused").
+Prints the records read (and the bad ones skipped), then one line per split: the cache's directory,
+records, skipped, size and build time (or "reused").
 Exit codes as train.py's: 1 for a config that does not compose, 2 for bad input (one `error:` line).
 """
 
@@ -27,15 +28,15 @@ from launcher.config.ranges import check_config
 from launcher.config.schema import Config, typed
 from launcher.core.errors import LauncherError, one_line
 from launcher.data.cache import CacheInfo, Part, ensure_job_cache
-from launcher.data.records import read_data
+from launcher.data.records import LoadedData, read_data
 from launcher.job.planning import cache_dir
 from launcher.model.loading import load_processor
 from launcher.model.stats import model_dir
 
 
-def prepare(cfg: Config, part: Part) -> dict[str, CacheInfo]:
-    """The record index and each split's data cache of the job `cfg` describes (every process of `part`
-    calls it; process 0 indexes the data first, the others then open its index)."""
+def prepare(cfg: Config, part: Part) -> tuple[LoadedData, dict[str, CacheInfo]]:
+    """The records (from their index) and each split's data cache of the job `cfg` describes (every process
+    of `part` calls it; process 0 indexes the data first, the others then open its index)."""
     if not cfg.data.cache:
         raise LauncherError("data.cache=false: the job reads its records as they are; there is no cache to prepare")
     if part.rank != 0:
@@ -46,7 +47,7 @@ def prepare(cfg: Config, part: Part) -> dict[str, CacheInfo]:
         part.barrier()
     processor = load_processor(model, min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
     splits = {"train": loaded.train, "eval": loaded.eval}
-    return {
+    return loaded, {
         split: ensure_job_cache(cfg.data, cache_dir(cfg), str(model), processor, records, part)
         for split, records in splits.items()
         if len(records)
@@ -71,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         check_config(cfg)
-        caches = prepare(cfg, part)
+        loaded, caches = prepare(cfg, part)
     except LauncherError as err:
         print(f"error: {one_line(err)}", file=sys.stderr)
         return err.exit_code
@@ -81,6 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             torch.distributed.destroy_process_group()
     if part.rank == 0:
+        print(
+            f"records: {len(loaded.train)} train, {len(loaded.eval)} eval ({loaded.skipped} bad records skipped while "
+            "reading; a job lists them in its skipped_records.jsonl)"
+        )
         for split, info in caches.items():
             how = f"built in {info.build_seconds:.1f} s" if info.built else "reused"
             print(

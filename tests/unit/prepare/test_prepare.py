@@ -16,6 +16,7 @@ def test_a_job_starts_on_the_data_prepared_before_it(tmp_path, train_in_process,
     cache = f"cache_dir={tmp_path / 'cache'}"
     assert main([*DATA, cache]) == 0
     out = capsys.readouterr().out
+    assert "records: 64 train, 16 eval (0 bad records skipped while reading" in out
     assert "train: " in out and "(64 records, 0 skipped" in out and "eval: " in out and "built in" in out
     assert list((tmp_path / "cache" / "record_index").glob("*.arrow"))  # the built-in set's files, indexed
     ran = train_in_process(*QUICK, *DATA, cache, run_dir=tmp_path / "run")
