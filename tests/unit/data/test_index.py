@@ -114,3 +114,23 @@ def test_records_of_several_sources_carry_their_source(tmp_path, data_file):
     assert mixed[-1]["source"] == 1
     assert mixed.fingerprint() is None  # a list is not indexed: the data cache hashes its records instead
     assert Records([table]).fingerprint() == json.dumps([[table.path.stem, 0]])
+
+
+def test_a_large_file_is_indexed_in_a_child_process_with_the_same_records_and_errors(tmp_path, data_file, monkeypatch):
+    """Above CHILD_BUILD_BYTES the parse runs in a spawned process (its memory goes with it): the index,
+    the skip log and a bad record's one-line error are those of an index built in place."""
+    from launcher.core.errors import LauncherError
+    from launcher.data import index
+
+    monkeypatch.setattr(index, "CHILD_BUILD_BYTES", 0)
+    expected, _, _ = read_records(data_file, ReadOptions())
+    records, _, fmt = indexed_records(str(data_file), ReadOptions(), tmp_path / "index")
+    assert fmt == "llava" and list(records) == expected
+    rows = json.loads(data_file.read_text())
+    data_file.write_text(json.dumps([*rows, record(image="missing.png")]))
+    log: list[dict] = []
+    skipped = indexed_records(str(data_file), ReadOptions(on_bad_record="skip"), tmp_path / "index", log)[1]
+    assert skipped == 1 and log[0]["record"] == 3
+    with pytest.raises(LauncherError, match=r"data.json record 3: .*missing.png") as error:
+        indexed_records(str(data_file), ReadOptions(), tmp_path / "index")
+    assert "\n" not in str(error.value)
