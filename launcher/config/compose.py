@@ -42,7 +42,7 @@ def without_hydra(cfg: DictConfig) -> tuple[DictConfig, DictConfig]:
 
 def composition_error(err: BaseException) -> str:
     """The one line a config that does not compose gets: Hydra's first line with the reason it gives
-    below it or in its cause ("Could not override 'zero.stag'.: Key 'stag' not in 'ZeroConfig'"), and a
+    below it or in its cause ("Could not override 'zero.stag': Key 'stag' not in 'ZeroConfig'"), and a
     preset group's choices inline."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     text = lines[0] if lines else type(err).__name__

@@ -7,7 +7,8 @@ launcher/data/formats.py, to cache_dir/record_index/KEY.arrow; every later reade
 memory-maps that file. A record is made into a dict only when it is asked for, so what a process holds
 does not grow with the set: the pages of the file live in the page cache, shared by every process of the
 machine. KEY covers the file's path, size and modification time and the read options (format, image
-root, bad-record handling, image checks): an edited file, or other options, make a new index.
+root, bad-record handling, image checks): an edited file, or other options, make a new index. A large
+file is parsed in a child process (CHILD_BUILD_BYTES), so that the reader keeps none of the parse's memory.
 
 Hub ids (read through `datasets`, whose own cache is Arrow already) are read as before, into a list.
 """
