@@ -253,6 +253,9 @@ def test_readme_command(number, command, work, env, data, base_run, state):
     module = argv[2] if argv[1] == "-m" else None
     if module == "launcher.plan":
         _run([sys.executable, *argv[1:]], env, where)
+    elif module == "launcher.prepare":
+        output = _run([sys.executable, "-m", module, *argv[3:]], env, where)
+        assert "train: " in output and "prepared in" in output, f"{where}: {output[-500:]}"
     elif module == "launcher.compare":
         assert "sweep" in state, f"{where}: needs the README's sweep to run first"
         args = [str(state["sweep"]) if arg == README_SWEEP_DIR else arg for arg in argv[3:]]
