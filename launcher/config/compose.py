@@ -11,7 +11,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, open_dict
 
-from launcher.config.schema import register_configs
+from launcher.config.schema import Config, register_configs, typed
+from launcher.core.errors import LauncherError
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -30,6 +31,24 @@ def compose(overrides: Sequence[str], *, with_hydra: bool = False) -> DictConfig
         return hydra_compose(config_name="config", overrides=list(overrides), return_hydra_config=with_hydra)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="train"):
         return hydra_compose(config_name="config", overrides=list(overrides), return_hydra_config=with_hydra)
+
+
+class ConfigNotComposed(LauncherError):
+    """The overrides do not compose (a misspelt key, a preset that does not exist): exit code 1, as train.py's."""
+
+    exit_code = 1
+
+
+def compose_typed(overrides: Sequence[str]) -> Config:
+    """The typed config of a tool's overrides (`python -m launcher.plan ...`, `launcher.prepare`), or
+    ConfigNotComposed with the one line `composition_error` makes."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return typed(compose(overrides))
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigNotComposed(composition_error(err)) from None
 
 
 def without_hydra(cfg: DictConfig) -> tuple[DictConfig, DictConfig]:

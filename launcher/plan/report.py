@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from launcher.config.compose import compose, composition_error
+from launcher.config.compose import compose, compose_typed
 from launcher.config.precision import Device, fastest_precisions
 from launcher.config.ranges import check_config
 from launcher.config.schema import Config, PlanConfig, typed
@@ -282,15 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(arg in ("-h", "--help") for arg in overrides):
         print(__doc__)
         return 0
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
     try:
-        cfg = typed(compose(overrides))
-    except (HydraException, OmegaConfBaseException) as err:
-        print(f"error: {composition_error(err)}", file=sys.stderr)
-        return 1
-    try:
+        cfg = compose_typed(overrides)
         check_config(cfg)
         print(report(cfg, overrides))
     except LauncherError as err:

@@ -23,9 +23,9 @@ import sys
 import time
 from collections.abc import Sequence
 
-from launcher.config.compose import compose, composition_error
+from launcher.config.compose import compose_typed
 from launcher.config.ranges import check_config
-from launcher.config.schema import Config, typed
+from launcher.config.schema import Config
 from launcher.core.errors import LauncherError, one_line
 from launcher.data.cache import CacheInfo, Part, ensure_job_cache
 from launcher.data.records import LoadedData, read_data
@@ -59,19 +59,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(arg in ("-h", "--help") for arg in overrides):
         print(__doc__)
         return 0
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        cfg = typed(compose(overrides))
-    except (HydraException, OmegaConfBaseException) as err:
-        print(f"error: {composition_error(err)}", file=sys.stderr)
-        return 1
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    part, group = _part()
-    started = time.perf_counter()
+    started, group = time.perf_counter(), False
     try:
+        cfg = compose_typed(overrides)
         check_config(cfg)
+        part, group = _part()
         loaded, caches = prepare(cfg, part)
     except LauncherError as err:
         print(f"error: {one_line(err)}", file=sys.stderr)
