@@ -3,6 +3,7 @@ samples/s DataLoader workers deliver, for images kept encoded (data.cache_images
 
     python bench/data_scale.py                 # 500 and 2000 records of 336 x 336 JPEGs
     python bench/data_scale.py --records 500 5000
+    python bench/data_scale.py --model tiny_qwen2_vl --size 448   # Qwen2-VL's dynamic resolution, 448 x 448
 
 Records are LLaVA-format, one real-looking 336 x 336 JPEG each (smooth random colour fields with noise,
 quality 90: ~20-40 KB, as photos of that size are), read through launcher.data.formats as a job reads
@@ -42,16 +43,16 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def write_set(root: Path, count: int, seed: int = 0) -> Path:
-    """`count` LLaVA records, each with its own JPEG."""
+def write_set(root: Path, count: int, seed: int = 0, size: int = SIZE) -> Path:
+    """`count` LLaVA records, each with its own `size` x `size` JPEG."""
     rng = np.random.default_rng(seed)
     images = root / "images"
     images.mkdir(parents=True, exist_ok=True)
     rows = []
     for index in range(count):
         coarse = rng.integers(0, 256, (6, 6, 3), dtype=np.uint8)
-        field = Image.fromarray(coarse).resize((SIZE, SIZE), Image.BICUBIC).filter(ImageFilter.GaussianBlur(3))
-        noise = rng.normal(0, 12, (SIZE, SIZE, 3))
+        field = Image.fromarray(coarse).resize((size, size), Image.BICUBIC).filter(ImageFilter.GaussianBlur(3))
+        noise = rng.normal(0, 12, (size, size, 3))
         pixels = np.clip(np.asarray(field, dtype=np.float64) + noise, 0, 255).astype(np.uint8)
         Image.fromarray(pixels).save(images / f"{index}.jpg", quality=90)
         turns = [
@@ -64,10 +65,10 @@ def write_set(root: Path, count: int, seed: int = 0) -> Path:
     return path
 
 
-def tiny_processor(root: Path):
+def tiny_processor(root: Path, architecture: str = "tiny_llava", size: int = SIZE):
     model = build_tiny_model_dir(
-        "tiny_llava", root / "model", [*ANSWERS, "What is in the picture?"], seed=0, hidden_size=64, num_layers=1,
-        vision_hidden_size=32, vision_layers=1, image_size=SIZE, patch_size=14,
+        architecture, root / "model", [*ANSWERS, "What is in the picture?"], seed=0, hidden_size=64, num_layers=1,
+        vision_hidden_size=32, vision_layers=1, image_size=size, patch_size=14,
     )  # fmt: skip
     return load_model_and_processor(str(model))[1]
 
@@ -128,17 +129,20 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--records", type=int, nargs="+", default=[500, 2000])
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
+    parser.add_argument("--model", default="tiny_llava", choices=["tiny_llava", "tiny_qwen2_vl"])
+    parser.add_argument("--size", type=int, default=SIZE, help="image side in pixels")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="data_scale.") as tmp:
         root = Path(tmp)
-        processor = tiny_processor(root)
+        processor = tiny_processor(root, args.model, args.size)
         for count in args.records:
-            source = write_set(root / f"set{count}", count)
+            source = write_set(root / f"set{count}", count, size=args.size)
             records, _, _ = read_records(source, ReadOptions())
             image_bytes = sum(Path(r["images"][0]).stat().st_size for r in records)
             for images in ("encoded", "pixels"):
-                row = {"records": count, "images": images, "source_image_kb_per_record": image_bytes / count / 1e3}
+                row = {"model": args.model, "size": args.size, "records": count, "images": images}
+                row["source_image_kb_per_record"] = round(image_bytes / count / 1e3, 1)
                 for ranks in (1, 2):
                     wall, cpu, path = build(root / f"cache{count}-{images}-{ranks}", records, processor, images, ranks)
                     row[f"build_wall_s_{ranks}_ranks"] = round(wall, 2)

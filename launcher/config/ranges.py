@@ -73,6 +73,7 @@ RANGES: tuple[Range, ...] = (
         optional=True,
     ),
     at_least("data.max_image_pixels", 1),
+    at_least("data.shuffle_block", 1),
     Range(
         "data.max_length",
         lambda v: int(v) >= 1,

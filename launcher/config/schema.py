@@ -246,6 +246,12 @@ class DataConfig:
     truncation: Truncation = Truncation.truncate
     # Tokenize every record once into cache_dir/data_cache (memory-mapped shards that every rank builds).
     cache: bool = True
+    # Read the training records from their shard files as training goes (launcher/data/stream.py): nothing
+    # indexed or cached first; data.path is a file, a folder, a glob or an fsspec URL of them. Needs
+    # train.max_steps (a stream's length is not counted) and one data.path (no mixture, no length grouping).
+    streaming: bool = False
+    # Streaming: rows shuffled together, in blocks of this many consecutive rows (1: the files' order).
+    shuffle_block: int = 1000
     # How the cache keeps images: encoded (the files' bytes; DataLoader workers decode and process them)
     # or pixels (the image processor's float32 output: no image work per step, ~50x the disk).
     cache_images: CacheImages = CacheImages.encoded

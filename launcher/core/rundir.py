@@ -225,6 +225,13 @@ class RunDir:
             return
         write_text_atomic(self.skipped_records, "".join(json.dumps(entry, default=str) + "\n" for entry in entries))
 
+    def append_skipped_records(self, entries: list[dict[str, Any]]) -> None:
+        """Any rank: records a stream skipped while training (data.streaming), added to the file. One
+        write in append mode per call: lines of several ranks do not interleave within a line."""
+        if entries:
+            with open(self.skipped_records, "a") as file:
+                file.write("".join(json.dumps(entry, default=str) + "\n" for entry in entries))
+
 
 class MetricsWriter:
     """Appends one JSON line per record and flushes it: a reader (or a crash) sees whole lines only.

@@ -11,7 +11,8 @@ Layout of one cache (a directory under cache_dir/data_cache/, named by its key):
     meta.json          the key's inputs, record count, the records skipped (and why) and cut, each record's
                        id, source and position, the shards and every tensor's dtype and trailing shape
     shards/NNNNN/      the records [N x shard_records, (N+1) x shard_records) that survived:
-        <name>.bin     one flat file per tensor (input_ids, labels, image_bytes, ...), records back to back
+        <name>.bin     one flat file per tensor (input_ids, labels, image_bytes, ...), records back to back;
+                       64-bit integers in 32 bits (read back as 64-bit)
         index.npz      per tensor: the offsets of each record's rows
         shard.json     what the shard kept, skipped and cut; its presence marks the shard complete
 
@@ -63,9 +64,10 @@ from launcher.data.records import ConversationDataset
 
 log = logging.getLogger("launcher")
 
-# 5: which records it holds in arrays (records.npz, ids.arrow), not in meta.json; 4: images kept encoded
+# 6: 64-bit integer tensors stored in 32 bits (NARROWED); 5: which records it holds in arrays (records.npz,
+# ids.arrow), not in meta.json; 4: images kept encoded
 # (data.cache_images), shards built by every rank; 3: data.max_length in the key
-CACHE_VERSION = 5
+CACHE_VERSION = 6
 META_FILE = "meta.json"
 RECORDS_FILE = "records.npz"
 IDS_FILE = "ids.arrow"
@@ -76,6 +78,9 @@ IMAGE_STORAGE = tuple(choice.value for choice in CacheImages)  # data.cache_imag
 # The tensors an encoded record holds in place of pixel_values: its images' bytes, and each one's length.
 IMAGE_BYTES, IMAGE_LENGTHS = "image_bytes", "image_lengths"
 PROGRESS_EVERY_S = 30.0
+# 64-bit integer tensors (token ids, labels, masks, image grids, image byte lengths) are stored in 32 bits,
+# half the disk and page cache, and read back as 64-bit: a token id or length past 2**31 is refused.
+NARROWED = {np.dtype(np.int64).str: np.dtype(np.int32)}
 
 
 def cache_key(records: Sequence[dict], processor: Any, model: str, limit: Any = None, images: str = "encoded") -> str:
@@ -396,6 +401,12 @@ def _write_records(out: Path, shards: list[_Written]) -> None:
         writer.write_batch(pa.RecordBatch.from_arrays([ids], names=["id"]))
 
 
+def built_cache(path: Path) -> CacheInfo | None:
+    """The complete cache at `path` (its `built` field: True), or None."""
+    meta = _read_meta(path)
+    return None if meta is None else _info(path, meta, built=True)
+
+
 def _info(path: Path, meta: dict, *, built: bool) -> CacheInfo:
     size = sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
     return CacheInfo(
@@ -489,7 +500,7 @@ def _write_tensors(
                         f"{records[index]['where']}: {name} has shape {array.shape} ({array.dtype}), unlike the "
                         f"records before it ({written.layout[name]}): set data.cache=false for this processor"
                     )
-                files[name].write(np.ascontiguousarray(array).tobytes())
+                files[name].write(_narrowed(array, name, records[index]["where"]).tobytes())
             for name in files:  # a record without a tensor (no images) holds zero rows of it
                 offsets[name].append(offsets[name][-1] + (tensors[name].shape[0] if name in tensors else 0))
             written.kept.append(index)
@@ -500,6 +511,19 @@ def _write_tensors(
             handle.close()
     np.savez(out / INDEX_FILE, **{f"{name}.offsets": np.asarray(offsets[name], dtype=np.int64) for name in files})
     return written
+
+
+def _narrowed(array: np.ndarray, name: str, where: str) -> np.ndarray:
+    """The array as stored: NARROWED types in fewer bytes, checked to fit."""
+    stored = NARROWED.get(array.dtype.str)
+    if stored is None:
+        return np.ascontiguousarray(array)
+    limits = np.iinfo(stored)
+    if array.size and (array.min() < limits.min or array.max() > limits.max):
+        raise LauncherError(
+            f"{where}: {name} holds values beyond {stored} ({array.min()}..{array.max()}): set data.cache=false"
+        )
+    return np.ascontiguousarray(array, dtype=stored)
 
 
 def _skip(written: _Written, record: dict, index: int, error: BadRecordError, on_bad_record: str) -> None:
@@ -588,10 +612,11 @@ class CachedDataset(Dataset):
                 for name, (dtype, shape) in self._layout.items():
                     file = self._shard(number) / f"{name}.bin"
                     empty = offsets[name][-1] == 0  # np.memmap refuses an empty file
+                    stored = NARROWED.get(dtype, dtype)
                     maps[name] = (
-                        np.empty((0, *shape), dtype=dtype)
+                        np.empty((0, *shape), dtype=stored)
                         if empty
-                        else np.memmap(file, dtype=dtype, mode="r").reshape(-1, *shape)
+                        else np.memmap(file, dtype=stored, mode="r").reshape(-1, *shape)
                     )
                 self._maps.append(maps)
         return self._maps
@@ -600,7 +625,9 @@ class CachedDataset(Dataset):
         shard = int(np.searchsorted(self.starts, index, side="right")) - 1
         local, maps, offsets = index - int(self.starts[shard]), self._open()[shard], self.offsets[shard]
         tensors = {
-            name: torch.from_numpy(np.array(maps[name][offsets[name][local] : offsets[name][local + 1]]))
+            name: torch.from_numpy(
+                np.array(maps[name][offsets[name][local] : offsets[name][local + 1]], dtype=self._layout[name][0])
+            )
             for name in self.names
         }
         record_id = self.record_id(index)

@@ -34,8 +34,8 @@ import os
 import re
 import stat
 import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +117,39 @@ def read_records(
 def skipped_entry(file: str, index: int, error: BaseException | str, **extra: Any) -> dict[str, Any]:
     """One line of RUN/skipped_records.jsonl: the file, the record's position in it, and why."""
     return {"file": str(file), "record": int(index), **extra, "reason": str(error)}
+
+
+@dataclass
+class SkipTally:
+    """Records left out (bad, or over data.max_length) and cut: the summary's counts and the lines of
+    RUN/skipped_records.jsonl. `on_change(tally, new_entries)`, when set, hears of each change as it
+    happens (a stream meets its bad records while training)."""
+
+    bad: int = 0
+    too_long: int = 0
+    truncated: int = 0
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    on_change: Callable[[SkipTally, list[dict[str, Any]]], None] | None = None
+    _reported: tuple[int, int, int, int] = (0, 0, 0, 0)  # the counts on_change last heard of
+
+    def add(self, entry: dict[str, Any], *, too_long: bool) -> None:
+        if too_long:
+            self.too_long += 1
+        else:
+            self.bad += 1
+        self.entries.append(entry)
+
+    def watch(self, on_change: Callable[[SkipTally, list[dict[str, Any]]], None]) -> None:
+        """From now on `on_change` hears of every change (not of what the tally holds already)."""
+        self.on_change = on_change
+        self._reported = (self.bad, self.too_long, self.truncated, len(self.entries))
+
+    def changed(self) -> None:
+        now = (self.bad, self.too_long, self.truncated, len(self.entries))
+        if self.on_change is not None and now != self._reported:
+            new = self.entries[self._reported[3] :]
+            self._reported = now
+            self.on_change(self, new)
 
 
 # ----------------------------------------------------------------------------- reading rows

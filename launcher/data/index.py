@@ -21,6 +21,7 @@ import json
 import multiprocessing
 import os
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
@@ -135,14 +136,11 @@ def indexed_records(
 ) -> tuple[Sequence[dict], int, str]:
     """(records, skipped, format) of one data file, as launcher.data.formats.read_records gives them, read
     from the file's index (built here when missing). A hub id is read into a list, unindexed."""
-    identity = _identity(path)
+    identity = file_identity(path)
     if identity is None:
         return read_records(path, options, skip_log)
-    key = hashlib.sha256(
-        json.dumps([INDEX_VERSION, identity, asdict(options)], sort_keys=True, default=str).encode()
-    ).hexdigest()[:20]
-    table = index_dir / f"{key}.arrow"
-    meta = _read_meta(table)
+    table = index_table(identity, options, index_dir)
+    meta = read_index_meta(table)
     if meta is None and sum(size for _, size, _ in identity[1]) < CHILD_BUILD_BYTES:
         meta = _build(path, options, table)
     elif meta is None:  # parsed in a process of its own, whose memory (GBs at 665K records) goes with it
@@ -153,15 +151,25 @@ def indexed_records(
     return RecordTable(table), int(meta["skipped"]), str(meta["format"])
 
 
+def index_table(identity: list[Any], options: ReadOptions, index_dir: Path) -> Path:
+    """Where the index of the file `identity` (`file_identity`) read with `options` is (or goes)."""
+    key = hashlib.sha256(
+        json.dumps([INDEX_VERSION, identity, asdict(options)], sort_keys=True, default=str).encode()
+    ).hexdigest()[:20]
+    return index_dir / f"{key}.arrow"
+
+
 def _build(path: str, options: ReadOptions, table: Path) -> dict:
     """Read and check the file, write its index; its meta (the index's .json)."""
+    started = time.perf_counter()
     records, skipped, fmt = read_records(path, options, log := [])
     meta = {"version": INDEX_VERSION, "records": len(records), "skipped": skipped, "format": fmt, "skip_log": log}
+    meta["build_seconds"] = round(time.perf_counter() - started, 3)  # the write's share left out: small
     _write(table, records, meta)
     return meta
 
 
-def _identity(path: str) -> list[Any] | None:
+def file_identity(path: str) -> list[Any] | None:
     """What says a local data file (or `datasets` folder) changed: its path, and each file's size and
     modification time; None for a hub id."""
     local = Path(path).expanduser()
@@ -172,7 +180,7 @@ def _identity(path: str) -> list[Any] | None:
     return [os.path.abspath(local), stats]
 
 
-def _read_meta(table: Path) -> dict | None:
+def read_index_meta(table: Path) -> dict | None:
     try:
         meta = json.loads(table.with_suffix(".json").read_text())
     except (OSError, ValueError):
@@ -188,7 +196,7 @@ def _write(table: Path, records: list[dict], meta: dict) -> None:
         try:
             with pa.ipc.new_file(tmp, SCHEMA) as writer:
                 for start in range(0, len(records), BATCH_ROWS):
-                    rows = [_row(record) for record in records[start : start + BATCH_ROWS]]
+                    rows = [table_row(record) for record in records[start : start + BATCH_ROWS]]
                     writer.write_batch(pa.RecordBatch.from_pylist(rows, schema=SCHEMA))
         except BaseException:
             os.unlink(tmp.name)
@@ -200,7 +208,7 @@ def _write(table: Path, records: list[dict], meta: dict) -> None:
     os.replace(partial, done)
 
 
-def _row(record: dict) -> dict:
+def table_row(record: dict) -> dict:
     images = [
         {"path": None, "bytes": i} if isinstance(i, bytes) else {"path": i, "bytes": None} for i in record["images"]
     ]

@@ -65,7 +65,9 @@ def read_data(data: DataConfig, cache: Path, *, decode: bool = False) -> LoadedD
     sources, eval_source = data_sources(data, cache, decode=decode)
     parts, skipped, formats = [], 0, []
     train_log: list[dict] = []
-    for source in sources:
+    if data.streaming:  # the training records are read as training goes (launcher.data.stream)
+        formats = [f"{data.format} (streamed)"]
+    for source in [] if data.streaming else sources:
         records, source_skipped, fmt = indexed_records(source.path, source.options, cache / INDEX_DIR, train_log)
         parts.append(records)
         skipped += source_skipped
@@ -88,6 +90,9 @@ def data_sources(data: DataConfig, cache: Path, *, decode: bool = False) -> tupl
         return [Source(str(data.name), str(train_file), 1.0, options)], Source("eval", str(eval_file), 1.0, options)
     if data.image_root and not Path(str(data.image_root)).expanduser().is_dir():
         raise LauncherError(f"data.image_root={data.image_root}: no such directory")
+    if data.streaming:  # data.path names shard files (a folder, a glob, a URL): launcher.data.stream lists them
+        options = _read_options(data, cache, image_root=data.image_root, decode=False)
+        return [Source(str(data.name), str(data.path), 1.0, options)], _eval_source(data, cache, decode)
     listed = list(data.sources or [])
     if listed and data.path:
         raise LauncherError("data.path and data.sources are both set: give one file (data.path) or a mixture")
@@ -108,12 +113,15 @@ def data_sources(data: DataConfig, cache: Path, *, decode: bool = False) -> tupl
     names = [source.name for source in sources]
     if len(set(names)) < len(names):
         raise LauncherError(f"data.sources: names {names} repeat; give each source a distinct name")
-    eval_source = None
-    if data.eval_path:
-        path = _existing_data_path(data.eval_path, "data.eval_path")
-        eval_options = _read_options(data, cache, image_root=data.image_root, decode=decode)
-        eval_source = Source("eval", path, 1.0, replace(eval_options, split=str(data.eval_split or "train")))
-    return sources, eval_source
+    return sources, _eval_source(data, cache, decode)
+
+
+def _eval_source(data: DataConfig, cache: Path, decode: bool) -> Source | None:
+    if not data.eval_path:
+        return None
+    path = _existing_data_path(data.eval_path, "data.eval_path")
+    options = _read_options(data, cache, image_root=data.image_root, decode=decode)
+    return Source("eval", path, 1.0, replace(options, split=str(data.eval_split or "train")))
 
 
 def _read_options(

@@ -8,6 +8,7 @@ rank starts (`check_inputs`), so what the ranks would stop on stops the job once
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
 from pathlib import Path
@@ -18,12 +19,16 @@ from launcher.config.ranges import usable_cores
 from launcher.config.schema import Config, DataConfig, DistConfig, ModelConfig
 from launcher.core.errors import LauncherError
 from launcher.core.rundir import directory_problem
+from launcher.data.estimate import index_cost
 from launcher.data.formats import looks_like_hub_id
-from launcher.data.records import read_data, require_one_global_batch
+from launcher.data.records import INDEX_DIR, data_sources, read_data, require_one_global_batch
+from launcher.data.stream import stream_files
 from launcher.job.spec import Job
 from launcher.model.loading import check_pixel_limits, read_config, resolve_attn_implementation
 from launcher.model.method import check_adapter_targets, check_method, uses_adapters
 from launcher.model.stats import fewest_image_tokens, frozen_meta_model, model_dir
+
+log = logging.getLogger("launcher")
 
 
 def check_inputs(config: Config, job: Job, *, launching: bool) -> None:
@@ -144,6 +149,8 @@ def check_data(data: DataConfig) -> None:
             "data.group_by_length=true with data.sources: a mixture deals its draws by weight, not by length; "
             "use one of them"
         )
+    if data.streaming:
+        _check_streaming(data)
     if data.synthetic:
         return
     if data.name == "mixture" and not data.sources:  # conf/data/mixture.yaml: the sources are the point
@@ -160,6 +167,8 @@ def check_data(data: DataConfig) -> None:
             f"data.path is not set for data={data.name}: give the training file, `datasets` folder or hub id"
         )
     paths = [(f"data.sources[{i}].path", source.path) for i, source in enumerate(sources)] or [("data.path", path)]
+    if data.streaming:  # a folder, a glob or a URL of shard files: listed by check_records
+        paths = []
     for key, value in [*paths, ("data.eval_path", data.eval_path)]:
         if value and not Path(str(value)).expanduser().exists() and not looks_like_hub_id(str(value)):
             raise LauncherError(f"{key}={value}: no such file or folder (nor a hub id like org/name)")
@@ -172,6 +181,16 @@ def check_data(data: DataConfig) -> None:
     for root in filter(None, roots):
         if not Path(str(root)).expanduser().is_dir():
             raise LauncherError(f"data.image_root={root}: no such directory")
+
+
+def _check_streaming(data: DataConfig) -> None:
+    refused = [
+        (bool(data.sources), "data.sources (a mixture)", "stream one data.path"),
+        (bool(data.group_by_length), "data.group_by_length=true", "set data.group_by_length=false"),
+    ]
+    for present, what, fix in refused:
+        if present:
+            raise LauncherError(f"data.streaming=true with {what}: a stream reads one set in file order; {fix}")
 
 
 def check_cache_dir(cfg: Config) -> None:
@@ -194,10 +213,24 @@ def check_records(cfg: Config, *, micro_batch: int, world_size: int, launching: 
     hostfile or SLURM the data may be where only the ranks see it, and they index it themselves."""
     if cfg.data.synthetic:
         return
+    if cfg.data.streaming:  # nothing is read before training: the shard files are listed, once
+        stream_files(str(cfg.data.path))
+        return
     if str(cfg.model.source) != "tiny" and not (launching and cfg.dist.launcher in ("local", "torchrun")):
         return
-    records = read_data(cfg.data, Path(str(cfg.cache_dir)).expanduser().absolute()).train
+    cache = Path(str(cfg.cache_dir)).expanduser().absolute()
+    announce_indexing(cfg, cache)
+    records = read_data(cfg.data, cache).train
     require_one_global_batch(len(records), micro_batch, world_size)
+
+
+def announce_indexing(cfg: Config, cache: Path) -> None:
+    """Before a data file is indexed: how many records, how large, how long (launcher.data.estimate)."""
+    sources, eval_source = data_sources(cfg.data, cache)
+    for source in [*sources, *([eval_source] if eval_source else [])]:
+        cost = index_cost(source.path, source.options, cache / INDEX_DIR)
+        if cost is not None and not cost.built:
+            log.info("data: %s", cost.line())
 
 
 def check_local_ranks(dist: DistConfig, device_kind: str) -> None:

@@ -152,6 +152,11 @@ def training_records(config: Config) -> int:
     data = config.data
     if data.synthetic:
         return int(data.n_train)
+    if data.streaming:
+        raise LauncherError(
+            "train.epochs with data.streaming=true: a stream is not counted before training; give train.max_steps "
+            "instead (steps = epochs x records / global batch)"
+        )
     if data.sources:
         raise LauncherError(
             "train.epochs with a data mixture (data.sources): a mixture draws by weight, not in passes over "

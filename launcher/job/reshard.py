@@ -114,6 +114,11 @@ def reshard_for(marker: CheckpointMarker, current: dict[str, Any]) -> Reshard | 
                 f"cannot resume data.group_by_length=true on another world size ({change}): its batches are "
                 "grouped per rank; resume with the same world size, or with data.group_by_length=false"
             )
+        if data.get("streaming"):
+            raise LauncherError(
+                f"cannot resume data.streaming=true on another world size ({change}): each rank's stream (its files, "
+                "its place in them) depends on it; resume with the same world size"
+            )
     if int(current["global_batch"]) != int(marker.global_batch):
         raise LauncherError(
             f"cannot resume on another shape ({change}) with another global batch: the checkpoint trained with "

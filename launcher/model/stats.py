@@ -16,6 +16,7 @@ from typing import Any
 from launcher.config.schema import Config
 from launcher.core.errors import LauncherError, one_line
 from launcher.data.records import read_data
+from launcher.data.stream import VOCABULARY_RECORDS, stream_head
 from launcher.model.components import apply_freeze
 from launcher.model.loading import check_pixel_limits, read_config
 from launcher.model.method import apply_method, parameter_counts, trainable_components, uses_adapters
@@ -71,7 +72,10 @@ def model_dir(cfg: Config) -> str:
         return resolve_model_path(model, int(cfg.train.seed), Path(), [])
     cache = Path(cfg.cache_dir).expanduser().absolute()
     loaded = read_data(cfg.data, cache)
-    return resolve_model_path(model, int(cfg.train.seed), cache, itertools.chain(loaded.train, loaded.eval))
+    train = loaded.train
+    if cfg.data.streaming:  # not read before training: the vocabulary comes from the stream's first records
+        train = stream_head(loaded.sources[0].path, loaded.sources[0].options, VOCABULARY_RECORDS)
+    return resolve_model_path(model, int(cfg.train.seed), cache, itertools.chain(train, loaded.eval))
 
 
 def meta_model(cfg: Config, path: str | None = None):

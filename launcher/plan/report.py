@@ -28,7 +28,8 @@ from launcher.core.errors import LauncherError, one_line
 from launcher.job.checks import detect_device
 from launcher.job.planning import plan_job, variant_overrides, world_size_of
 from launcher.job.spec import HydraJob, Job
-from launcher.model.stats import ModelStats, model_stats, planned_at_max_length, sequence
+from launcher.model.stats import ModelStats, model_dir, model_stats, planned_at_max_length, sequence
+from launcher.plan.data import data_lines
 from launcher.plan.memory import (
     PRESETS,
     GiB,
@@ -233,8 +234,9 @@ def format_table(rows: Sequence[Row], stats: ModelStats, *, markdown: bool = Fal
 
 
 def report(cfg: Config, overrides: Sequence[str] = ()) -> str:
-    """The planner's whole output for a composed config: model, assumptions, table, recommendation."""
-    stats = model_stats(cfg)
+    """The planner's whole output for a composed config: model, data, assumptions, table, recommendation."""
+    path = model_dir(cfg)
+    stats = model_stats(cfg, path=path)
     target = target_device(cfg.plan)
     rows = plan_rows(cfg, overrides, stats, target)
     seq_len, images = sequence(cfg, stats)
@@ -258,6 +260,7 @@ def report(cfg: Config, overrides: Sequence[str] = ()) -> str:
         f"{images} image(s) x {stats.image_tokens} image tokens)",
         f"device: {target.device_bytes / GiB:.1f} GiB ({target.source}); CPU per node: {cpu}; "
         f"fits = within {1 - target.headroom:.0%} (plan.headroom={target.headroom:g})",
+        *data_lines(cfg, path),
         f"{_unit(rows)[0]} per device unless noted; model states = parameters, gradients, fp32 master weights, "
         "Adam states (the part on the device)",
         "",

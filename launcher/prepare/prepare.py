@@ -39,6 +39,10 @@ def prepare(cfg: Config, part: Part) -> tuple[LoadedData, dict[str, CacheInfo]]:
     of `part` calls it; process 0 indexes the data first, the others then open its index)."""
     if not cfg.data.cache:
         raise LauncherError("data.cache=false: the job reads its records as they are; there is no cache to prepare")
+    if cfg.data.streaming:
+        raise LauncherError(
+            "data.streaming=true: the job reads its training records as it trains; there is nothing to prepare"
+        )
     if part.rank != 0:
         part.barrier()
     model = model_dir(cfg)  # a tiny model is built from the data here, as the launcher builds it

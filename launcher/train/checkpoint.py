@@ -50,6 +50,7 @@ class DataPosition:
     batches: int = 0
     # A mixture's samples drawn from ("drawn") and records in ("records") each source, at save.
     sources: dict[str, dict[str, int]] | None = None
+    records: int = 0  # data.streaming: rows of this rank's epoch consumed (launcher.data.stream)
 
 
 class ResumableSampler(DistributedSampler):
@@ -120,6 +121,7 @@ def save(engine: Any, run_dir: RunDir, marker: CheckpointMarker, position: DataP
     with write_failures_reported(folder):
         engine.save_checkpoint(str(run_dir.checkpoints), tag=tag, save_latest=False)
         own = {"step": marker.step, "epoch": position.epoch, "batches": position.batches, "rng": rng_state()}
+        own["records"] = position.records
         if position.sources is not None:
             own["sources"] = position.sources
         torch.save(own, folder / f"launcher_rank{rank}.pt")
@@ -208,7 +210,7 @@ def load(
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {source}")
     rng = own["rng"] if same_ranks else None
-    return int(own["step"]), DataPosition(own["epoch"], own["batches"], own.get("sources")), rng
+    return int(own["step"]), DataPosition(own["epoch"], own["batches"], own.get("sources"), own.get("records", 0)), rng
 
 
 def truncate_metrics(run_dir: RunDir, step: int) -> None:

@@ -24,14 +24,15 @@ from launcher.core.errors import LauncherError
 from launcher.core.logs import FILE_ONLY
 from launcher.core.rundir import RunDir
 from launcher.core.summary import Summary
-from launcher.data.cache import CachedCollator, CachedDataset, CacheInfo, Part, ensure_job_cache
+from launcher.data.cache import CachedCollator, CachedDataset, CacheInfo, Part, RecordEncoder, ensure_job_cache
 from launcher.data.collate import Collator, fit_records
-from launcher.data.formats import skipped_entry
+from launcher.data.formats import SkipTally, skipped_entry
 from launcher.data.index import Records
-from launcher.data.length import LengthLimit
-from launcher.data.records import ConversationDataset, LoadedData, read_data, require_one_global_batch
+from launcher.data.length import LengthLimit, unchanged
+from launcher.data.records import ConversationDataset, LoadedData, Source, read_data, require_one_global_batch
 from launcher.data.sampling import LengthGroupedSampler, MixtureSampler
 from launcher.data.shapes import prepare_data
+from launcher.data.stream import RecordStream, StreamOrder, stream_files, stream_options, streamed_batches
 from launcher.job.planning import cache_dir
 from launcher.job.spec import Job
 from launcher.train.checkpoint import DataPosition, ResumableSampler, batches
@@ -70,27 +71,43 @@ class Data:
         return {"drawn": self.source_counts(global_draws), "records": sizes}
 
 
-@dataclass
-class SkipTally:
-    """Records left out (bad, or over data.max_length) and cut, over the splits: the summary's counts and
-    the lines of RUN/skipped_records.jsonl."""
-
-    bad: int = 0
-    too_long: int = 0
-    truncated: int = 0
-    entries: list[dict[str, Any]] = field(default_factory=list)
-
-
 def build_data(
     job: Job, rank: Rank, loaded: LoadedData, processor: Any, zero_stage: int, run_dir: RunDir, summary: Summary
 ) -> Data:
     """This rank's loaders over the records read (`read_records`), sharded by rank, resumable; the counts of
     what was skipped go into `summary`."""
-    data, micro = job.config.data, job.micro_batch
+    data = job.config.data
     guard = data.modality_guard
     if guard is None:
         guard = zero_stage == 3 and rank.world_size > 1
     tally = SkipTally(bad=loaded.skipped, entries=list(loaded.skip_log))
+    if data.streaming:
+        built, train_cache = _streamed(job, rank, loaded.sources[0], processor, guard, tally), None
+    else:
+        built, train_cache = _indexed(job, rank, loaded, processor, guard, tally)
+    if loaded.eval:
+        built.eval_loader, built.accuracy_set = _held_out(job, rank, processor, loaded.eval, guard, tally)
+    summary.records_skipped, summary.records_too_long = tally.bad, tally.too_long
+    summary.records_truncated = tally.truncated
+    if train_cache is not None:
+        summary.data_cache = {
+            "path": str(train_cache.path),
+            "built": train_cache.built,
+            "build_s": train_cache.build_seconds,
+        }
+    if rank.is_main and not (data.streaming and job.resume is not None):  # a stream's file lists rows met before
+        _report_skipped(job, run_dir, tally)
+    if data.streaming:
+        tally.watch(_stream_skips(rank, run_dir, summary))
+        barrier()  # rank 0 has written the file the ranks' streams append to
+    return built
+
+
+def _indexed(
+    job: Job, rank: Rank, loaded: LoadedData, processor: Any, guard: bool, tally: SkipTally
+) -> tuple[Data, CacheInfo | None]:
+    """The training data of records read (and indexed) before training, through the data cache or not."""
+    micro = job.micro_batch
     train_set, collate, train_kept, train_cache = _split(job, rank, processor, loaded.train, "train", guard, tally)
     require_one_global_batch(len(train_set), micro, rank.world_size)  # decoding and length may drop records
     sources = train_set.sources if train_cache is not None else loaded.train.sources[train_kept]
@@ -110,19 +127,48 @@ def build_data(
     # Each loader draws its workers' seed from a generator of its own, not from the global one (whose
     # restored state a resumed run's extra draws would shift): see launcher.train.checkpoint.batches.
     built.batches = batches(train_loader, sampler, built.position, micro)
-    if loaded.eval:
-        built.eval_loader, built.accuracy_set = _held_out(job, rank, processor, loaded.eval, guard, tally)
-    summary.records_skipped, summary.records_too_long = tally.bad, tally.too_long
-    summary.records_truncated = tally.truncated
-    if train_cache is not None:
-        summary.data_cache = {
-            "path": str(train_cache.path),
-            "built": train_cache.built,
-            "build_s": train_cache.build_seconds,
-        }
+    return built, train_cache
+
+
+def _streamed(job: Job, rank: Rank, source: Source, processor: Any, guard: bool, tally: SkipTally) -> Data:
+    """The training data read from its shard files as training goes (data.streaming: launcher.data.stream)."""
+    data, micro, seed = job.config.data, job.micro_batch, int(job.config.train.seed)
+    files = tuple(stream_files(source.path))
+    order = StreamOrder(files, seed, rank.rank, rank.world_size, int(data.shuffle_block))
+    encode = RecordEncoder(processor, LengthLimit.of(data), "pixels")
+    position = DataPosition()
+
+    def rows() -> Iterator[Any]:  # made at the first batch: after a resume has set `position`
+        options = stream_options(source.options)
+        stream = RecordStream(order, options, encode, epoch=position.epoch, start=position.records)
+        loader_args = {**_loader_args(job, rank), "pin_memory": False}  # rows, not batches: nothing to pin
+        yield from DataLoader(
+            stream, batch_size=None, collate_fn=unchanged, generator=torch.Generator().manual_seed(seed), **loader_args
+        )
+
     if rank.is_main:
-        _report_skipped(job, run_dir, tally)
-    return built
+        how = "its own files" if order.by_file else "every file, every world-th row"
+        log.info("data: streaming %d file(s) from %s (each rank reads %s)", len(files), source.path, how)
+    collate = CachedCollator(processor, image_every_batch=guard)
+    streamed = streamed_batches(rows(), position, micro, collate, str(data.on_bad_record), tally)
+    return Data(batches=streamed, position=position, sampler=None, micro=micro, world_size=rank.world_size)
+
+
+def _stream_skips(rank: Rank, run_dir: RunDir, summary: Summary) -> Any:
+    """What a stream does with the records it skips while training: every rank lists them in
+    RUN/skipped_records.jsonl; summary.json counts rank 0's (each rank meets only its own)."""
+    said = False
+
+    def on_change(tally: SkipTally, new: list[dict[str, Any]]) -> None:
+        nonlocal said
+        run_dir.append_skipped_records([{"split": "train", "rank": rank.rank, **entry} for entry in new])
+        summary.records_skipped, summary.records_too_long = tally.bad, tally.too_long
+        summary.records_truncated = tally.truncated
+        if new and rank.is_main and not said:
+            log.info("data: the stream skips records that cannot train; each is listed in %s", run_dir.skipped_records)
+            said = True
+
+    return on_change
 
 
 def read_records(job: Job, rank: Rank) -> LoadedData:
@@ -136,7 +182,7 @@ def read_records(job: Job, rank: Rank) -> LoadedData:
     # build decodes every image anyway; without the cache the records are decoded here once.
     decode = str(data.on_bad_record) == "skip" and not data.cache
     loaded = read_data(data, cache, decode=decode)
-    if rank.is_main:
+    if rank.is_main and not data.streaming:
         log.info(
             "data: %d train, %d eval records (%d bad records skipped); format %s",
             len(loaded.train),
@@ -144,7 +190,8 @@ def read_records(job: Job, rank: Rank) -> LoadedData:
             loaded.skipped,
             ", ".join(f"{source.name}={fmt}" for source, fmt in zip(loaded.sources, loaded.formats, strict=True)),
         )
-    require_one_global_batch(len(loaded.train), job.micro_batch, rank.world_size)
+    if not data.streaming:
+        require_one_global_batch(len(loaded.train), job.micro_batch, rank.world_size)
     return loaded
 
 

@@ -209,6 +209,7 @@ def resume(
     tag, reshard = job.resume.tag, job.resume.reshard
     start_step, position, rng = checkpoint.load(engine.engine, run_dir, tag, reshard)
     data.position.epoch, data.position.batches = position.epoch, position.batches
+    data.position.records = position.records  # a stream's place (the same world size: job.reshard)
     if reshard is not None:
         data.position.batches = resumed_batches(
             position.batches, reshard.saved_micro_batch, reshard.saved_world_size, engine.micro, rank.world_size

@@ -80,6 +80,9 @@ def test_cached_batches_equal_the_processors_bitwise(tmp_path, mixed_records, mo
             expected = collate([live[i] for i in rows])
             assert_same_batch(cached_collate([cached[i] for i in rows]), expected)
     assert cached.lengths() == [len(Collator(processor)([live[i]])["input_ids"][0]) for i in range(12)]
+    # Token ids and labels are stored in 32 bits (read back as the processor's int64, as compared above).
+    for name in ("input_ids", "labels"):
+        assert (info.path / "shards" / "00000" / f"{name}.bin").stat().st_size == 4 * sum(cached.lengths()[:5])
 
 
 def test_the_cache_is_reused_and_rebuilt_when_its_inputs_change(tmp_path, mixed_records, model_and_processor):

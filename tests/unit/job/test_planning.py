@@ -68,6 +68,13 @@ def test_a_mixture_takes_steps_not_epochs():
         training_length(config)
 
 
+def test_a_stream_takes_steps_not_epochs():
+    stream = ["data=llava_json", "data.path=shards/*.jsonl", "data.streaming=true"]
+    config = compose_typed([*stream, "train.max_steps=null", "train.epochs=1"])
+    with pytest.raises(LauncherError, match=r"^train.epochs with data.streaming=true: .*give train.max_steps instead"):
+        training_length(config)
+
+
 @pytest.mark.slow
 def test_a_run_given_in_epochs_trains_that_many_steps(train_in_process, tmp_path):
     run_dir = RunDir(tmp_path / "run")

@@ -60,6 +60,7 @@ def test_offloading_the_optimizer_or_no_longer_is_a_reshard_too():
         (MARKER, {"offload_optimizer": "nvme"}, "with NVMe optimizer offload"),
         (MARKER, {"data": {"sources": [{"path": "a.json"}]}}, "cannot resume a mixture (data.sources)"),
         (MARKER, {"data": {"group_by_length": True}}, "cannot resume data.group_by_length=true"),
+        (MARKER, {"data": {"streaming": True}}, "cannot resume data.streaming=true on another world size"),
         (MARKER, {"global_batch": 32}, "with another global batch: the checkpoint trained with 16"),
         (MARKER, {"zero_stage": 0, "precision": "bf16"}, "in bf16 to or from ZeRO-0"),
     ],

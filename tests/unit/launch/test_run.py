@@ -138,6 +138,22 @@ CASES = [
         "data.group_by_length=true needs data.cache=true",
     ),
     Case(
+        "streaming-a-mixture",
+        ("data=mixture", "data.sources=[{{path: {data}/train.json}}]", "data.streaming=true"),
+        "data.streaming=true with data.sources (a mixture): a stream reads one set in file order; stream one data.path",
+    ),
+    Case(
+        "streaming-grouped-by-length",
+        ("data.streaming=true", "data.group_by_length=true"),
+        "data.streaming=true with data.group_by_length=true",
+    ),
+    Case(
+        "streaming-no-files",
+        ("data=llava_json", "data.path={data}/nowhere-*.jsonl", "data.streaming=true"),
+        "data.path={data}/nowhere-*.jsonl: no data files there",
+    ),
+    Case("shuffle-block-zero", ("data.shuffle_block=0",), "data.shuffle_block=0"),
+    Case(
         "max-length-zero",
         ("data.max_length=0",),
         "data.max_length=0 must be a positive number of tokens per sample (text + image tokens), e.g. 2048",

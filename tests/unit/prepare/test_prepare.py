@@ -31,6 +31,10 @@ def test_bad_input_is_one_line_and_a_non_zero_exit(tmp_path, capsys):
     assert capsys.readouterr().err.splitlines() == [
         "error: data.cache=false: the job reads its records as they are; there is no cache to prepare"
     ]
+    assert main(["data.streaming=true", f"cache_dir={tmp_path}"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: data.streaming=true: the job reads its training records as it trains; there is nothing to prepare"
+    ]
     assert main(["data=llava_json", f"data.path={tmp_path / 'missing.json'}", f"cache_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("error: data.path=") and "no such file" in err[0]

@@ -68,6 +68,28 @@ def test_a_stopped_job_resumes_with_the_losses_of_an_uninterrupted_one(train_in_
     assert losses(stopped.path) == losses(whole.run_dir)  # bitwise: same world size, ZeRO-0, fp32
 
 
+def test_a_streamed_job_resumes_mid_block_with_the_losses_of_an_uninterrupted_one(train_in_process, tmp_path, caplog):
+    """data.streaming: the position saved (rows of the epoch consumed) lands inside a shuffled block of 16
+    rows; the resumed run re-reads that block and goes on as the uninterrupted one did, with 2 workers."""
+    streamed = (*JOB, "train.max_steps=4", "data.streaming=true", "data.shuffle_block=16", "data.num_workers=2")
+    whole = train_in_process(*streamed, run_dir=tmp_path / "whole")
+    assert whole.outcome.status == "completed", whole.outcome.error
+    assert "data: streaming 1 file(s)" in caplog.text
+
+    stopped = RunDir(tmp_path / "stopped")
+    stopped.path.mkdir()
+    stopped.stop_file.touch()
+    first = train_in_process(*streamed, run_dir=stopped.path)
+    assert first.outcome.status == "preempted" and read_summary(stopped.path)["steps"] == 1
+    saved = torch.load(stopped.checkpoint("step1") / "launcher_rank0.pt", weights_only=False)
+    assert (saved["epoch"], saved["records"]) == (0, 4)  # one micro-batch of 4 rows, inside the first block
+
+    stopped.stop_file.unlink()
+    resumed = train_in_process(f"resume={stopped.path}", run_dir=stopped.path)
+    assert resumed.outcome.status == "completed", resumed.outcome.error
+    assert losses(stopped.path) == losses(whole.run_dir)
+
+
 # ----------------------------------------------------------------------------- the same mathematics
 # Short runs of the built-in job: no W&B, no generation, fp32, seeded.
 SHORT = ("logger=none", "train.micro_batch_size=8", "train.eval_every=0", "data.eval_accuracy=false", "train.seed=1")

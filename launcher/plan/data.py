@@ -1,0 +1,79 @@
+"""The planner's lines about the job's data: what will be read, indexed and cached before the first step,
+how large and how long (launcher.data.estimate), or that it is built already."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from launcher.config.schema import Config
+from launcher.core.errors import LauncherError
+from launcher.data.cache import RecordEncoder, built_cache, cache_key
+from launcher.data.estimate import DataCost, cache_cost, index_cost
+from launcher.data.index import Records, RecordTable, file_identity, index_table
+from launcher.data.length import LengthLimit
+from launcher.data.records import INDEX_DIR, Source, data_sources
+from launcher.data.stream import stream_files
+from launcher.job.planning import cache_dir, world_size_of
+from launcher.model.loading import load_processor
+
+log = logging.getLogger("launcher")
+
+
+def data_lines(cfg: Config, model_path: str) -> list[str]:
+    """One line per data file (its record index) and per split (its data cache), for the plan."""
+    data = cfg.data
+    if data.synthetic:
+        return [f"data: the built-in set ({data.n_train} train, {data.n_eval} eval records), made at the first start"]
+    if data.streaming:
+        files = stream_files(str(data.path))
+        return [f"data: streamed from {len(files)} file(s) as training goes; nothing is indexed or cached first"]
+    cache = cache_dir(cfg)
+    sources, eval_source = data_sources(data, cache)
+    encode = _encoder(cfg, model_path) if data.cache else None
+    lines = []
+    for split, source in [*(("train", s) for s in sources), *([("eval", eval_source)] if eval_source else [])]:
+        index = index_cost(source.path, source.options, cache / INDEX_DIR)
+        if index is None:
+            lines.append(f"record index of {source.path}: not estimated (a hub id, a `datasets` folder, or unreadable)")
+            continue
+        lines.append(index.line())
+        if data.cache and index.records:
+            lines.append(f"{split} {_cache(cfg, source, index, encode, model_path).line()}")
+    return lines
+
+
+def _cache(cfg: Config, source: Source, index: DataCost, encode: RecordEncoder | None, model_path: str) -> DataCost:
+    """The split's data cache: built (when the index is, its key can be computed), or estimated."""
+    data, cache = cfg.data, cache_dir(cfg)
+    sample = index.sample
+    if index.built:
+        identity = file_identity(source.path) or []  # a local file: index_cost found its index
+        table = RecordTable(index_table(identity, source.options, cache / INDEX_DIR))
+        sample = [table[i] for i in range(min(len(table), 500))]
+        if encode is not None:
+            key = cache_key(Records([table]), encode.processor, model_path, encode.limit, encode.images)
+            built = built_cache(cache / "data_cache" / key)
+            if built is not None:
+                return DataCost("data cache", True, built.records, built.bytes, built.build_seconds)
+    return cache_cost(
+        int(index.records or 0),
+        sample or [],
+        max_length=data.max_length,
+        images=str(data.cache_images),
+        encode=encode,
+        ranks=world_size_of(cfg),
+    )
+
+
+def _encoder(cfg: Config, model_path: str) -> RecordEncoder | None:
+    """The job's record encoder, when its processor is in a local directory (a hub id is not fetched for a
+    plan: no build time then)."""
+    if not Path(model_path).expanduser().is_dir():
+        return None
+    try:
+        processor = load_processor(model_path, min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
+    except (LauncherError, OSError, ValueError) as err:
+        log.debug("no processor for the data plan: %s", err)
+        return None
+    return RecordEncoder(processor, LengthLimit.of(cfg.data), str(cfg.data.cache_images))
