@@ -600,9 +600,9 @@ class CachedDataset(Dataset):
                 self._ids = pa.ipc.open_file(source).read_all().column("id")
         return self._ids[index].as_py()
 
-    def lengths(self) -> list[int]:
-        """Tokens per record (image tokens included): what length-grouped batches sort by."""
-        return np.concatenate([np.diff(offsets["input_ids"]) for offsets in self.offsets]).tolist()
+    def lengths(self) -> np.ndarray:
+        """Tokens per record (image tokens included), an int64 array: what length-grouped batches sort by."""
+        return np.concatenate([np.diff(offsets["input_ids"]) for offsets in self.offsets])
 
     def _open(self) -> list[dict[str, np.ndarray]]:
         if self._maps is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 from torch.utils.data import Sampler
@@ -165,7 +165,7 @@ class LengthGroupedSampler(Sampler[int]):
 
     def __init__(
         self,
-        lengths: list[int],
+        lengths: Sequence[int] | np.ndarray,
         *,
         num_replicas: int,
         rank: int,

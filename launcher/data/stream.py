@@ -20,7 +20,9 @@ exactly:
 
 Each raw row is made a record, its images decoded and the whole encoded into the tensors the data cache
 would hold (launcher.data.cache.RecordEncoder), in the DataLoader's workers: worker w of W encodes the
-rows w, w + W, ... of the rank's stream, and the loader hands them back in stream order. The training
+rows w, w + W, ... of the rank's stream, and the loader hands them back in stream order. Each worker reads
+the rank's rows to find its own (the files are read W times, from the page cache when local; embedded
+image bytes with them), and decodes and encodes only its own. The training
 process drops the rows that cannot train (bad, under data.on_bad_record=skip, or over data.max_length)
 and pads every `micro` kept rows into a batch (CachedCollator): the batches the data cache would give
 for the same records in the same order, bit for bit.
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -62,7 +65,7 @@ VOCABULARY_RECORDS = 10_000  # a tiny model's vocabulary comes from this many re
 # ----------------------------------------------------------------------------- the shard files
 def stream_files(path: str) -> list[str]:
     """The shard files `data.path` names (a file, a folder, a glob; local or an fsspec URL), sorted."""
-    if "://" in path and not path.startswith("file://"):
+    if _remote(path):
         return _remote_files(path)
     local = os.path.abspath(os.path.expanduser(path.removeprefix("file://")))
     if os.path.isdir(local):
@@ -80,8 +83,6 @@ def stream_files(path: str) -> list[str]:
 
 
 def _remote_files(path: str) -> list[str]:
-    import fsspec
-
     try:
         fs, root = fsspec.core.url_to_fs(path)
         listed = fs.glob(root) if glob.has_magic(root) else (fs.find(root) if fs.isdir(root) else [root])
@@ -95,10 +96,12 @@ def _remote_files(path: str) -> list[str]:
     return found
 
 
-def _open(file: str) -> Any:
-    if "://" in file and not file.startswith("file://"):
-        import fsspec
+def _remote(file: str) -> bool:
+    return "://" in file and not file.startswith("file://")
 
+
+def _open(file: str) -> Any:
+    if _remote(file):
         return fsspec.open(file, "rb").open()
     return open(file.removeprefix("file://"), "rb")
 
@@ -119,18 +122,20 @@ def file_rows(file: str, start: int = 0) -> Iterator[Any]:
                 yield from parquet.read_row_group(group).slice(start).to_pylist()
                 start = 0
         elif suffix == ".arrow":
-            yield from _arrow_rows(handle, start)
+            # Mapped (a local file) or read through the handle as batches are asked for, never whole.
+            source = pa.PythonFile(handle, mode="r") if _remote(file) else pa.memory_map(file.removeprefix("file://"))
+            yield from _arrow_rows(source, start)
         else:
             yield from _json_rows(handle, start)
 
 
-def _arrow_rows(handle: Any, start: int) -> Iterator[dict]:
-    data = handle.read()
+def _arrow_rows(source: Any, start: int) -> Iterator[dict]:
     try:
-        reader: Any = pa.ipc.open_file(pa.BufferReader(data))
+        reader: Any = pa.ipc.open_file(source)
         batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
     except pa.ArrowInvalid:  # `datasets` writes Arrow streams
-        batches = iter(pa.ipc.open_stream(pa.BufferReader(data)))
+        source.seek(0)
+        batches = iter(pa.ipc.open_stream(source))
     for batch in batches:
         if start >= batch.num_rows:
             start -= batch.num_rows
@@ -322,7 +327,7 @@ class RecordStream(IterableDataset):
     def _image_root(self, file: str) -> Path:
         if self.options.image_root is not None:
             return Path(os.path.abspath(self.options.image_root))
-        if "://" in file and not file.startswith("file://"):
+        if _remote(file):
             # A remote shard's images must be embedded: a path is looked up where nothing is.
             return Path(os.sep) / "data.image_root-not-set-for-a-remote-stream"
         return Path(file.removeprefix("file://")).parent

@@ -79,7 +79,7 @@ def test_cached_batches_equal_the_processors_bitwise(tmp_path, mixed_records, mo
         for rows in ([0, 1, 2, 3], [2, 3], [5, 10], [0, 4, 8], [0], [3, 7, 11, 1]):
             expected = collate([live[i] for i in rows])
             assert_same_batch(cached_collate([cached[i] for i in rows]), expected)
-    assert cached.lengths() == [len(Collator(processor)([live[i]])["input_ids"][0]) for i in range(12)]
+    assert cached.lengths().tolist() == [len(Collator(processor)([live[i]])["input_ids"][0]) for i in range(12)]
     # Token ids and labels are stored in 32 bits (read back as the processor's int64, as compared above).
     for name in ("input_ids", "labels"):
         assert (info.path / "shards" / "00000" / f"{name}.bin").stat().st_size == 4 * sum(cached.lengths()[:5])

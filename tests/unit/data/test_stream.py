@@ -4,13 +4,16 @@ that cannot train are skipped and listed (or stop the run) as they are met."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
+import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader
 
 from launcher.core.errors import LauncherError
@@ -203,3 +206,33 @@ def test_a_tiny_models_vocabulary_comes_from_the_streams_first_records(tmp_path,
     head = stream_head(file, ReadOptions(), 5)
     assert [record["id"] for record in head] == [record["id"] for record in mixed_records[:5]]
     assert [record["messages"] for record in head] == [record["messages"] for record in mixed_records[:5]]
+
+
+def test_shards_behind_an_fsspec_url_stream_with_their_images_embedded(tmp_path, model_and_processor):
+    """fsspec's in-memory file system stands in for object storage: the shards are listed and read through
+    fsspec, images embedded as bytes train; an image given as a path, with no data.image_root, is a bad
+    row that says where it looked."""
+    _, processor = model_and_processor
+    png = io.BytesIO()
+    Image.new("RGB", (32, 32), "red").save(png, format="PNG")
+    turns = [{"from": "human", "value": "<image>\nsay hi"}, {"from": "gpt", "value": "hi"}]
+    rows = [{"id": str(i), "image": {"bytes": png.getvalue(), "path": None}, "conversations": turns} for i in range(5)]
+    memory = fsspec.filesystem("memory")
+    for number in range(2):
+        with memory.open(f"/stream-test/part-{number}.parquet", "wb") as sink:
+            pq.write_table(pa.Table.from_pylist(rows), sink)
+    with memory.open("/stream-test/paths.jsonl", "wb") as sink:
+        sink.write((json.dumps({"image": "a.png", "conversations": turns}) + "\n").encode())
+    try:
+        files = stream_files("memory://stream-test/*.parquet")
+        assert files == ["memory:///stream-test/part-0.parquet", "memory:///stream-test/part-1.parquet"]
+        encode = RecordEncoder(processor, None, "pixels")
+        streamed = RecordStream(StreamOrder(tuple(files), seed=0), ReadOptions(), encode)
+        first = [row for row, _ in zip(streamed, range(10), strict=False)]
+        assert all(not isinstance(row.tensors, BadRecordError) for row in first)
+        assert all("pixel_values" in row.tensors for row in first)
+        by_path = RecordStream(StreamOrder(("memory://stream-test/paths.jsonl",), seed=0), ReadOptions(), encode)
+        bad = next(iter(by_path)).tensors
+        assert isinstance(bad, BadRecordError) and "data.image_root-not-set-for-a-remote-stream" in str(bad)
+    finally:
+        memory.rm("/stream-test", recursive=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from launcher.core import checkpoints
 from launcher.core.errors import TrainingFailed
@@ -41,6 +41,24 @@ def test_data_position_resumes_without_repeating_or_skipping_samples():
     second = stream(DataPosition(first_position.epoch, first_position.batches))
     seen += [next(second).tolist() for _ in range(5)]
     assert seen == reference
+
+
+@pytest.mark.parametrize("count", [1, 5, 10, 13])
+@pytest.mark.parametrize("replicas", [1, 2, 3, 8])
+def test_the_resumable_sampler_gives_distributed_samplers_order(count, replicas):
+    """Its order is DistributedSampler's (shuffled or not, padded or cut to a multiple of the ranks, over
+    epochs), from any start: checkpoints of runs before it was made of tensors resume the same."""
+    data = list(range(count))
+    for shuffle, drop_last, epoch in [(True, False, 0), (True, False, 3), (False, False, 0), (True, True, 1)]:
+        for rank in range(replicas):
+            placement = {"num_replicas": replicas, "rank": rank, "shuffle": shuffle, "seed": 7, "drop_last": drop_last}
+            reference, resumable = DistributedSampler(data, **placement), ResumableSampler(data, **placement)
+            reference.set_epoch(epoch)
+            resumable.set_epoch(epoch)
+            expected = list(reference)
+            assert list(resumable) == expected
+            resumable.start = len(expected) // 2
+            assert list(resumable) == expected[len(expected) // 2 :]
 
 
 def test_a_resumed_data_stream_leaves_the_global_random_state_as_the_uninterrupted_one():
