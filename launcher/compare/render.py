@@ -57,6 +57,12 @@ def _fmt(value: float | None, digits: int) -> str:
     return f"{value:.{digits}f}"
 
 
+def _percent(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.1%}" if value < 0.1 else f"{value:.0%}"
+
+
 _NUMERIC_HEADERS = (
     "steps",
     "final loss",
@@ -64,6 +70,8 @@ _NUMERIC_HEADERS = (
     "eval acc",
     "samples/s",
     "tokens/s",
+    "padding",
+    "MFU",
     "peak mem",
     "wall",
 )
@@ -98,6 +106,8 @@ def table(rows: Sequence[RunRow], keys: Sequence[str]) -> tuple[list[str], list[
             _fmt(row.eval_accuracy, 3),
             _fmt(row.samples_per_sec, 1),
             _fmt(row.tokens_per_sec, 0),
+            _percent(row.padding_frac),
+            _percent(row.mfu),
             human_bytes(row.peak_memory_bytes),
             *([_host_cell(row)] if host else []),
             human_seconds(row.wall_s),
@@ -178,6 +188,8 @@ _CSV_FIELDS = (
     "eval_accuracy",
     "samples_per_sec",
     "tokens_per_sec",
+    "padding_frac",
+    "mfu",
     "peak_memory_bytes",
     "host_memory_bytes",
     "pinned_host_bytes",

@@ -59,6 +59,10 @@ class RunRow:
     eval_accuracy: float | None = None
     samples_per_sec: float | None = None
     tokens_per_sec: float | None = None
+    """Real (non-padding) tokens per second."""
+    padding_frac: float | None = None
+    mfu: float | None = None
+    """Model FLOPs utilisation (launcher.model.flops against launcher.train.peak)."""
     peak_memory_bytes: int | None = None
     """A GPU run's peak reserved device memory; a CPU run's peak resident set (launcher.device_memory)."""
     host_memory_bytes: int | None = None
@@ -258,6 +262,8 @@ def build_row(
         eval_accuracy=pick("eval_accuracy", "eval/accuracy"),
         samples_per_sec=pick("samples_per_sec", "perf/samples_per_sec"),
         tokens_per_sec=pick("tokens_per_sec", "perf/tokens_per_sec"),
+        padding_frac=pick("padding_frac", "perf/padding_frac"),
+        mfu=pick("mfu", "perf/mfu"),
         peak_memory_bytes=int(peak) if peak is not None else None,
         host_memory_bytes=int(host) if host is not None else None,
         pinned_host_bytes=int(pinned) if pinned is not None else None,

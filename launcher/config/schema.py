@@ -65,6 +65,7 @@ OBJECTIVES = {
     "train/loss": "final_loss",
     "perf/samples_per_sec": "samples_per_sec",
     "perf/tokens_per_sec": "tokens_per_sec",
+    "perf/mfu": "mfu",
 }
 Objective = _choice("Objective", tuple(OBJECTIVES))
 

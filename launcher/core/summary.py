@@ -26,7 +26,12 @@ class Summary:
     eval_loss: float | None = None
     eval_accuracy: float | None = None
     samples_per_sec: float | None = None
-    tokens_per_sec: float | None = None
+    tokens_per_sec: float | None = None  # real (non-padding) tokens
+    padding_frac: float | None = None  # of the token slots of the measured steps' batches, padding
+    image_token_frac: float | None = None  # of the real tokens, those an image's rows fill
+    model_tflops_per_sec: float | None = None  # the useful work's model FLOPs (launcher.model.flops), all ranks
+    mfu: float | None = None  # model FLOPs utilisation: of the devices' peak (peak_flops_source)
+    peak_flops_source: str | None = None  # the peak MFU is measured against, and where the figure comes from
     peak_memory_bytes: int | None = None
     world_size: int | None = None
     zero_stage: int | None = None

@@ -5,7 +5,9 @@ training reads tensors (and decodes the images stored with them, in the DataLoad
 ZeRO-3 with several ranks every batch runs the vision tower (a dummy image where a batch has none):
 otherwise ranks whose batches differ in modality hang. Records over
 data.max_length are cut or skipped alike with the cache or without it; rank 0 lists those skipped in
-RUN/skipped_records.jsonl.
+RUN/skipped_records.jsonl. With data.streaming the training records are read from their shard files as
+training goes (launcher.data.stream): nothing is indexed or cached for them first, and each rank lists the
+rows it skips as it meets them.
 """
 
 from __future__ import annotations

@@ -102,6 +102,7 @@ def final_table(summary: Summary, run_dir: RunDir, wandb_line: str | None) -> st
     rows = [
         ("loss", loss),
         ("speed", f"{figure(summary.samples_per_sec, 1)} samples/s, peak memory {_mib(summary.peak_memory_bytes)}"),
+        *_useful(summary),
         ("run dir", f"{run_dir.path} (train.log, summary.json, metrics.jsonl)"),
     ]
     if summary.status == "completed":
@@ -111,6 +112,16 @@ def final_table(summary: Summary, run_dir: RunDir, wandb_line: str | None) -> st
     width = max(len(name) for name, _ in rows)
     title = f"run summary: {summary.status}, {summary.steps} steps in {summary.wall_s:.1f} s"
     return "\n".join(["", title, *(f"  {name:<{width}}  {value}" for name, value in rows)])
+
+
+def _useful(summary: Summary) -> list[tuple[str, str]]:
+    """The useful-work line: real tokens/s, the padding share, MFU (when the run measured them)."""
+    if summary.tokens_per_sec is None or summary.padding_frac is None:
+        return []
+    text = f"{summary.tokens_per_sec:,.0f} real tokens/s, {summary.padding_frac:.0%} padding"
+    if summary.mfu is not None:
+        text += f", MFU {summary.mfu:.1%}"
+    return [("work", text)]
 
 
 def _mib(n: int | None) -> str:

@@ -20,11 +20,45 @@ import torch
 from launcher.core.checkpoints import find_resume_tag
 from launcher.core.errors import TrainingFailed
 from launcher.core.rundir import RunDir
+from launcher.model.flops import FlopModel
 from launcher.train.distributed import Rank, all_reduce_sum
 from launcher.train.engine import Engine, unpartitioned_grad_norm
 from launcher.train.faults import Fault
 from launcher.train.loaders import Data
 from launcher.train.memory_meter import MemoryMeter
+
+
+@dataclass
+class Work:
+    """What a step's batches held, summed over its micro-batches (and, once reduced, over the ranks)."""
+
+    tokens: float = 0.0
+    padded: float = 0.0
+    image_tokens: float = 0.0
+    flops: float = 0.0
+
+    def add(self, batch: dict[str, Any], flops: FlopModel | None) -> None:
+        mask = batch["attention_mask"]
+        self.tokens += float(mask.sum())
+        self.padded += float(mask.numel())
+        if flops is None:
+            return
+        if flops.image_token_id is not None:
+            self.image_tokens += float((batch["input_ids"] == flops.image_token_id).sum())
+        self.flops += flops.step_flops(mask.sum(dim=1).tolist(), flops.image_rows(batch))
+
+    def metrics(self, seconds: float, peak: float | None, world_size: int) -> dict[str, float]:
+        """Real tokens/s, padding and image shares, model TFLOP/s and MFU (against `peak` per device)."""
+        figures = {
+            "perf/tokens_per_sec": self.tokens / seconds,
+            "perf/padding_frac": 1.0 - self.tokens / self.padded if self.padded else 0.0,
+            "perf/image_token_frac": self.image_tokens / self.tokens if self.tokens else 0.0,
+        }
+        if self.flops:
+            figures["perf/model_tflops_per_sec"] = self.flops / seconds / 1e12
+            if peak:
+                figures["perf/mfu"] = self.flops / seconds / (peak * world_size)
+        return figures
 
 
 @dataclass
@@ -34,13 +68,19 @@ class Throughput:
     skip_steps: int
     seconds: float = 0.0
     samples: float = 0.0
-    tokens: float = 0.0
+    tokens: float = 0.0  # real (non-padding) tokens
+    padded: float = 0.0  # token slots, padding included
+    image_tokens: float = 0.0  # of the real tokens, those an image's rows fill
+    flops: float = 0.0  # model FLOPs of the useful work (launcher.model.flops)
 
-    def add(self, step: int, seconds: float, samples: float, tokens: float) -> None:
+    def add(self, step: int, seconds: float, samples: float, work: Work) -> None:
         if step > self.skip_steps:
             self.seconds += seconds
             self.samples += samples
-            self.tokens += tokens
+            self.tokens += work.tokens
+            self.padded += work.padded
+            self.image_tokens += work.image_tokens
+            self.flops += work.flops
 
     def per_second(self, what: float) -> float | None:
         return what / self.seconds if self.seconds else None
@@ -73,6 +113,8 @@ class StepState:
     memory: MemoryMeter
     fault: Fault
     max_nonfinite: int  # train.max_nonfinite_steps: fp16 updates its loss scaler may skip in a row
+    flops: FlopModel | None = None  # counts the model FLOPs of a batch (None: a layout it does not know)
+    peak_flops: float | None = None  # this device's peak FLOP/s (launcher.train.peak; None: unknown)
     last_loss: float = math.nan
     nonfinite_in_a_row: int = 0
     stop_agreed: bool = False  # some rank was asked to stop: all stop after this step
@@ -84,13 +126,14 @@ def train_step(engine: Engine, data: Data, rank: Rank, state: StepState, step: i
     `stop`: this rank was asked to stop; the ranks agree on it in the step's one all-reduce."""
     ds, device = engine.engine, rank.device
     step_start = time.perf_counter()
-    wait = loss_sum = tokens = 0.0
+    wait = loss_sum = 0.0
+    work = Work()
     grad_norm = math.nan
     for _ in range(engine.accum):
         fetch_start = time.perf_counter()
         batch = next(data.batches)
         wait += time.perf_counter() - fetch_start
-        tokens += float(batch["attention_mask"].sum())
+        work.add(batch, state.flops)
         loss = ds(**to_device(batch, device, engine.dtype)).loss
         ds.backward(loss)
         if engine.grad_norm.computed_here and ds.is_gradient_accumulation_boundary():
@@ -98,20 +141,22 @@ def train_step(engine: Engine, data: Data, rank: Rank, state: StepState, step: i
         ds.step()
         loss_sum += float(loss.detach())
     state.fault.at(step)
-    loss_sum, tokens, stop_votes = all_reduce_sum([loss_sum, tokens, float(stop)], device)
+    reduced = all_reduce_sum([loss_sum, float(stop), work.tokens, work.padded, work.image_tokens, work.flops], device)
+    loss_sum, stop_votes = reduced[:2]
+    work = Work(*reduced[2:])
     state.stop_agreed = stop_votes > 0
     step_loss = loss_sum / (engine.accum * rank.world_size)
     check_finite(state, step, step_loss, fp16=engine.dtype == torch.float16)
     step_time = time.perf_counter() - step_start
     samples = engine.micro * engine.accum * rank.world_size
-    state.throughput.add(step, step_time, samples, tokens)
+    state.throughput.add(step, step_time, samples, work)
     state.last_loss = step_loss
     metrics = {
         "train/loss": step_loss,
         "train/lr": float(engine.scheduler.get_last_lr()[0]) if engine.scheduler else float(ds.get_lr()[0]),
         "train/grad_norm": engine.grad_norm.of_step(ds, grad_norm),
         "perf/samples_per_sec": samples / step_time,
-        "perf/tokens_per_sec": tokens / step_time,
+        **work.metrics(step_time, state.peak_flops, rank.world_size),
         "perf/step_time_s": step_time,
         "perf/data_wait_frac": wait / step_time,
         **state.memory.read(),

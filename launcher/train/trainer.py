@@ -35,6 +35,7 @@ from launcher.core.rundir import RunDir
 from launcher.core.summary import Summary
 from launcher.job.reshard import resumed_batches
 from launcher.job.spec import Job
+from launcher.model.flops import FlopModel
 from launcher.tracking.wandb_run import read_run_id, start_for_job
 from launcher.train import checkpoint
 from launcher.train.distributed import Rank, barrier, destroy, init_distributed
@@ -43,8 +44,9 @@ from launcher.train.evaluate import evaluate, evaluation_due
 from launcher.train.faults import Fault
 from launcher.train.loaders import Data, build_data, check_mixture_position, read_records
 from launcher.train.memory_meter import PEAK, MemoryMeter
+from launcher.train.peak import device_peak
 from launcher.train.record import Recorder, final_table
-from launcher.train.step import CpuClock, StepState, Throughput, train_step
+from launcher.train.step import CpuClock, StepState, Throughput, Work, train_step
 from launcher.train.watchdog import StepWatchdog
 
 log = logging.getLogger("launcher")
@@ -134,12 +136,16 @@ def setup(
         wandb_every=int(job.config.logger.log_every),
     )
     cleanup.callback(recorder.close)
+    peak = device_peak(rank.device, engine.dtype)  # before the restored random state: it draws nothing global
+    summary.peak_flops_source = peak.source
     state = StepState(
         run_dir=run_dir,
         throughput=Throughput(skip_steps=min(5, job.max_steps // 5)),
         memory=MemoryMeter(rank.device),
         fault=Fault.for_rank(rank.rank),
         max_nonfinite=int(job.config.train.max_nonfinite_steps),
+        flops=flop_model(engine),
+        peak_flops=peak.flops,
     )
     dist = job.config.dist
     watchdog = StepWatchdog(
@@ -172,6 +178,15 @@ def loop(run: Run, track: _Track) -> Summary:
         if save_every and step % save_every == 0 and step < job.max_steps:
             save(run, step)
     return finish(run, stopped_at)
+
+
+def flop_model(engine: Engine) -> FlopModel | None:
+    """What counts a batch's model FLOPs (launcher.model.flops); None for a layout it does not know."""
+    try:
+        return FlopModel.of(engine.engine.module)
+    except (LauncherError, AttributeError, StopIteration) as err:
+        log.info("no model FLOPs counted (no MFU): %s", one_line(err))
+        return None
 
 
 # ----------------------------------------------------------------------------- resuming and saving
@@ -262,6 +277,13 @@ def finish(run: Run, stopped_at: int | None) -> Summary:
     summary.eval_accuracy = run.eval_metrics.get("eval/accuracy")
     summary.samples_per_sec = throughput.per_second(throughput.samples)
     summary.tokens_per_sec = throughput.per_second(throughput.tokens)
+    if throughput.seconds:
+        measured = Work(throughput.tokens, throughput.padded, throughput.image_tokens, throughput.flops)
+        figures = measured.metrics(throughput.seconds, run.state.peak_flops, run.rank.world_size)
+        summary.padding_frac = figures["perf/padding_frac"]
+        summary.image_token_frac = figures["perf/image_token_frac"]
+        summary.model_tflops_per_sec = figures.get("perf/model_tflops_per_sec")
+        summary.mfu = figures.get("perf/mfu")
     memory = run.state.memory.read()
     summary.peak_memory_bytes = memory.pop(PEAK)
     summary.memory = {key.removeprefix("mem/"): value for key, value in memory.items()}

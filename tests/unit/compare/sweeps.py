@@ -101,6 +101,8 @@ def make_sweep(root: Path) -> Path:
             "final_loss": 0.7,
             "samples_per_sec": 55.5,
             "tokens_per_sec": 5550.0,
+            "padding_frac": 0.125,
+            "mfu": 0.0375,
             "peak_memory_bytes": 900 * MIB,
         },
         metrics=loss_lines(20, 1.8, 55.5, 900 * MIB),

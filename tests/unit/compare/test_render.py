@@ -28,6 +28,7 @@ def test_csv_has_raw_numbers_and_errors(compared: tuple[Path, Path]) -> None:
     assert list(records[0])[:5] == ["run", "zero", "offload", "precision", "status"]
     first = records[0]
     assert first["peak_memory_bytes"] == str(900 * MIB)
+    assert (first["padding_frac"], first["mfu"]) == ("0.125", "0.0375")  # the useful-work figures, raw
     assert float(first["samples_per_sec"]) == 55.5
     assert float(first["wall_s"]) == 3725.0
     assert first["eval_loss"] == ""
@@ -82,6 +83,7 @@ def test_the_terminal_table_aligns_numbers_and_ends_with_the_errors(sweep: Path)
     assert lines[-1] == f"{NAMES['2']} failed: {ERROR}"
     width = len(lines[0])
     assert lines[2].endswith("1h 02m") and len(lines[2]) == width  # right-aligned to the header's end
+    assert lines[0].split()[-6:-2] == ["tokens/s", "padding", "MFU", "peak"] and "12%  3.8%" in lines[2]
 
 
 @pytest.mark.parametrize(

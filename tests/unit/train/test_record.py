@@ -101,19 +101,21 @@ def test_the_final_table_says_how_the_run_ended_and_where_its_files_are(tmp_path
     run_dir = RunDir(tmp_path)
     summary = Summary(status="completed", steps=20, wall_s=12.34, final_loss=1.23456, eval_loss=1.5, eval_accuracy=0.25)
     summary.samples_per_sec, summary.peak_memory_bytes = 10.25, 300 * 2**20
+    summary.tokens_per_sec, summary.padding_frac, summary.mfu = 1234.5, 0.25, 0.0123
     table = final_table(summary, run_dir, "offline run abc: upload with `wandb sync x`")
     assert table.splitlines() == [
         "",
         "run summary: completed, 20 steps in 12.3 s",
         "  loss     1.2346 (held-out 1.5000, exact match 0.250)",
         "  speed    10.2 samples/s, peak memory 300 MiB",
+        "  work     1,234 real tokens/s, 25% padding, MFU 1.2%",
         f"  run dir  {tmp_path} (train.log, summary.json, metrics.jsonl)",
         f"  model    {tmp_path / 'model'}",
         "  W&B      offline run abc: upload with `wandb sync x`",
     ]
     stopped = final_table(Summary(status="preempted", steps=3, wall_s=1.0), run_dir, None)
     assert "run summary: preempted, 3 steps in 1.0 s" in stopped and "model" not in stopped and "W&B" not in stopped
-    assert "  loss     -\n" in stopped and "peak memory -" in stopped
+    assert "  loss     -\n" in stopped and "peak memory -" in stopped and "work" not in stopped
 
 
 # ----------------------------------------------------------------------------- through a run

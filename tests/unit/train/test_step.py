@@ -8,15 +8,30 @@ import time
 
 import pytest
 import torch
+from PIL import Image
 
 from launcher.core import checkpoints
 from launcher.core.checkpoints import CheckpointMarker
 from launcher.core.errors import TrainingFailed
 from launcher.core.rundir import RunDir
+from launcher.data.collate import Collator
+from launcher.model.flops import FlopModel
+from launcher.model.loading import load_model_and_processor
 from launcher.train.faults import Fault
 from launcher.train.memory_meter import MemoryMeter
-from launcher.train.step import CpuClock, StepState, Throughput, check_finite, loss_scale, nonfinite_action, to_device
+from launcher.train.step import (
+    CpuClock,
+    StepState,
+    Throughput,
+    Work,
+    check_finite,
+    loss_scale,
+    nonfinite_action,
+    to_device,
+)
 from tests.helpers import read_metrics
+from tests.unit.model.test_flops import sample
+from tests.unit.model.tiny_sizes import build
 
 
 def test_a_nonfinite_loss_stops_unless_fp16_may_skip_it():
@@ -89,9 +104,37 @@ def test_throughput_leaves_out_the_warm_up_steps():
     throughput = Throughput(skip_steps=2)
     assert throughput.per_second(10) is None  # nothing measured yet
     for step in (1, 2, 3, 4):
-        throughput.add(step, seconds=step * 1.0, samples=8, tokens=100)
+        throughput.add(step, seconds=step * 1.0, samples=8, work=Work(tokens=100, padded=125, flops=1e9))
     assert (throughput.seconds, throughput.samples, throughput.tokens) == (7.0, 16, 200)
+    assert (throughput.padded, throughput.flops) == (250, 2e9)
     assert throughput.per_second(throughput.samples) == pytest.approx(16 / 7)
+
+
+@pytest.fixture(scope="module")
+def model_dirs_llava(tmp_path_factory):
+    return load_model_and_processor(str(build("tiny_llava", tmp_path_factory.mktemp("tiny") / "tiny_llava")))
+
+
+def test_a_steps_work_counts_real_tokens_padding_image_tokens_and_model_flops(model_dirs_llava):
+    """Two samples, one padded: real tokens and padding from the attention mask, image tokens from the
+    image placeholder, model FLOPs from launcher.model.flops on the real tokens; MFU against the peak."""
+    model, processor = model_dirs_llava
+    flops = FlopModel.of(model)
+    image = Image.new("RGB", (32, 32), "red")
+    samples = [sample([image], "red circle"), sample([], "hi")]
+    batch = Collator(processor)(samples)
+    work = Work()
+    work.add(batch, flops)
+    real = int(batch["attention_mask"].sum())
+    assert work.tokens == real and work.padded == batch["input_ids"].numel() > real
+    assert work.image_tokens == int((batch["input_ids"] == model.config.image_token_id).sum()) > 0
+    assert work.flops == flops.step_flops(batch["attention_mask"].sum(dim=1).tolist(), flops.image_rows(batch))
+    figures = work.metrics(seconds=2.0, peak=1e9, world_size=2)
+    assert figures["perf/tokens_per_sec"] == real / 2
+    assert figures["perf/padding_frac"] == pytest.approx(1 - real / work.padded)
+    assert figures["perf/image_token_frac"] == pytest.approx(work.image_tokens / real)
+    assert figures["perf/mfu"] == pytest.approx(work.flops / 2.0 / 2e9)
+    assert "perf/mfu" not in work.metrics(seconds=2.0, peak=None, world_size=2)  # an unknown peak: no MFU
 
 
 def test_cpu_time_per_lap_counts_the_process_and_its_main_thread():
@@ -122,4 +165,6 @@ def test_every_step_records_its_loss_rate_norm_speed_and_cpu_time(quick_run):
         # each rank's CPU per loop iteration: the whole process, and its main thread
         assert 0 < row["perf/step_main_thread_cpu_s"] <= row["perf/step_cpu_s"] * 1.01
         assert "train/loss_scale" not in row  # fp32: no loss scaler
+        assert row["perf/tokens_per_sec"] > 0 and 0 <= row["perf/padding_frac"] < 1
+        assert 0 < row["perf/image_token_frac"] < 1 and 0 < row["perf/mfu"] < 1  # the built-in set: 1 image each
     assert rows[0]["train/lr"] == 0.0 < rows[1]["train/lr"]  # linear warm-up from 0
