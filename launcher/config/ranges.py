@@ -74,6 +74,7 @@ RANGES: tuple[Range, ...] = (
     ),
     at_least("data.max_image_pixels", 1),
     at_least("data.shuffle_block", 1),
+    at_least("data.pack_length", 16, when=lambda cfg: cfg.data.pack_length is not None),
     Range(
         "data.max_length",
         lambda v: int(v) >= 1,

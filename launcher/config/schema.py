@@ -258,6 +258,11 @@ class DataConfig:
     cache_images: CacheImages = CacheImages.encoded
     # Batches of records of similar length (less padding); needs data.cache (the lengths come from it).
     group_by_length: bool = False
+    # Several records per row up to data.pack_length tokens, kept apart (positions restart per record, a
+    # block-diagonal mask): no padding but a row's tail. train.micro_batch_size then counts rows. Needs
+    # data.cache (the lengths come from it) and train.max_steps.
+    packing: bool = False
+    pack_length: int | None = None  # tokens per packed row; null: data.max_length
     # Every batch runs the vision tower (a dummy image where a batch has none), so that ranks whose
     # batches differ in modality cannot hang ZeRO-3's collectives. null: on at ZeRO-3 with several ranks.
     modality_guard: bool | None = None

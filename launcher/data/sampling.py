@@ -15,6 +15,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from launcher.core.errors import LauncherError
+from launcher.data.packing import pack_rows
 
 
 def _check_ranks(num_replicas: int, rank: int) -> None:
@@ -206,3 +207,36 @@ class LengthGroupedSampler(Sampler[int]):
     def __len__(self) -> int:
         step = self.micro * self.num_replicas
         return max(0, len(self.lengths) // step * self.micro - self.start)
+
+
+class PackedSampler(Sampler[tuple[int, ...]]):
+    """This rank's packed rows of an epoch (tuples of record indices, for launcher.data.packing.PackedRows),
+    from row `start` on. The epoch's plan (launcher.data.packing.pack_rows over the records' lengths) is
+    dealt out row by row, rank r taking rows r, r + num_replicas, ..., cut to the same count on every rank.
+    The same seed, lengths and budget give the same plan: a resume recomputes it and skips `start` rows."""
+
+    def __init__(
+        self, lengths: Sequence[int] | np.ndarray, *, budget: int, num_replicas: int, rank: int, seed: int
+    ) -> None:
+        _check_ranks(num_replicas, rank)
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.budget, self.num_replicas, self.rank, self.seed = budget, num_replicas, rank, seed
+        self.epoch = 0
+        self.start = 0
+        self._plan: tuple[int, list[list[int]]] | None = None  # (epoch, its rows for this rank)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def rows(self) -> list[list[int]]:
+        if self._plan is None or self._plan[0] != self.epoch:
+            plan = pack_rows(self.lengths, self.budget, seed=self.seed, epoch=self.epoch)
+            usable = len(plan) // self.num_replicas * self.num_replicas
+            self._plan = (self.epoch, plan[self.rank : usable : self.num_replicas])
+        return self._plan[1]
+
+    def __iter__(self) -> Iterator[tuple[int, ...]]:
+        return (tuple(row) for row in self.rows()[self.start :])
+
+    def __len__(self) -> int:
+        return max(0, len(self.rows()) - self.start)

@@ -26,7 +26,7 @@ from launcher.data.stream import stream_files
 from launcher.job.spec import Job
 from launcher.model.loading import check_pixel_limits, read_config, resolve_attn_implementation
 from launcher.model.method import check_adapter_targets, check_method, uses_adapters
-from launcher.model.stats import fewest_image_tokens, frozen_meta_model, model_dir
+from launcher.model.stats import fewest_image_tokens, frozen_meta_model, model_dir, pack_length
 
 log = logging.getLogger("launcher")
 
@@ -123,18 +123,24 @@ def check_model_choices(cfg: Config, device_kind: str, precision: str, *, launch
 
 
 def check_max_length(cfg: Config) -> None:
-    """data.max_length must leave room beside one image: below that every record with an image is
-    skipped, which training would only find record by record."""
+    """data.max_length (and a packed row, data.pack_length) must leave room beside one image: below that
+    every record with an image is skipped, which training would only find record by record."""
     longest = cfg.data.max_length
-    if longest is None:
+    found = fewest_image_tokens(cfg) if longest is not None or cfg.data.packing else None
+    if found is None:
         return
-    found = fewest_image_tokens(cfg)
-    if found is not None and int(longest) <= found[0]:
-        tokens, what = found
+    tokens, what = found
+    if longest is not None and int(longest) <= tokens:
         raise LauncherError(
             f"data.max_length={longest} leaves no room beside one image's {tokens} tokens ({what}): every "
             f"record with an image would be skipped; raise data.max_length (e.g. {max(2048, 2 * tokens)}), or "
             "null for no limit"
+        )
+    budget = pack_length(cfg.data) if cfg.data.packing else None
+    if budget is not None and budget <= tokens:
+        raise LauncherError(
+            f"data.pack_length={budget} is no longer than one image's {tokens} tokens ({what}): no record with an "
+            f"image fits a row; raise data.pack_length (e.g. {max(4096, 4 * tokens)})"
         )
 
 
@@ -151,6 +157,8 @@ def check_data(data: DataConfig) -> None:
         )
     if data.streaming:
         _check_streaming(data)
+    if data.packing:
+        _check_packing(data)
     if data.synthetic:
         return
     if data.name == "mixture" and not data.sources:  # conf/data/mixture.yaml: the sources are the point
@@ -191,6 +199,29 @@ def _check_streaming(data: DataConfig) -> None:
     for present, what, fix in refused:
         if present:
             raise LauncherError(f"data.streaming=true with {what}: a stream reads one set in file order; {fix}")
+
+
+def _check_packing(data: DataConfig) -> None:
+    """data.packing needs the cached lengths, one way of ordering, and a budget that holds any record."""
+    refused = [
+        (not data.cache, "data.cache=false", "packing plans rows from the cached lengths: set data.cache=true"),
+        (bool(data.group_by_length), "data.group_by_length=true", "packing already fills rows: use one of them"),
+        (bool(data.streaming), "data.streaming=true", "packing plans rows from the cached lengths: use one of them"),
+        (bool(data.sources), "data.sources (a mixture)", "a mixture deals its draws by weight: use one of them"),
+    ]
+    for present, what, fix in refused:
+        if present:
+            raise LauncherError(f"data.packing=true with {what}: {fix}")
+    budget, longest = pack_length(data), data.max_length
+    if budget is None:
+        raise LauncherError(
+            "data.packing=true needs a row length: set data.pack_length (tokens per packed row), or data.max_length"
+        )
+    if longest is not None and budget < int(longest):
+        raise LauncherError(
+            f"data.pack_length={budget} is below data.max_length={longest}: a record may be {longest} tokens; "
+            f"raise data.pack_length (e.g. {max(int(longest), 4096)}) or lower data.max_length"
+        )
 
 
 def check_cache_dir(cfg: Config) -> None:

@@ -150,6 +150,11 @@ def training_records(config: Config) -> int:
 
     Counted as read (before any image turns out not to decode under data.on_bad_record=skip)."""
     data = config.data
+    if data.packing:
+        raise LauncherError(
+            "train.epochs with data.packing=true: a step holds as many records as its rows fit, known only once "
+            "they are planned; give train.max_steps instead"
+        )
     if data.synthetic:
         return int(data.n_train)
     if data.streaming:

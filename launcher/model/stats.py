@@ -237,12 +237,20 @@ def sequence(cfg: Config, stats: ModelStats) -> tuple[int, int]:
     images = int(plan.images_per_sample)
     if plan.seq_len:
         return int(plan.seq_len), images
+    if cfg.data.packing and pack_length(cfg.data) is not None:  # a packed row is full, whatever its records
+        return int(pack_length(cfg.data)), images
     longest = cfg.data.max_length
     if planned_at_max_length(cfg):
         return int(longest), images
     text = plan.text_tokens or (32 if str(cfg.model.source) == "tiny" else 512)
     typical = int(text) + images * stats.image_tokens
     return (typical if longest is None else min(typical, int(longest))), images
+
+
+def pack_length(data: Any) -> int | None:
+    """Tokens per packed row: data.pack_length, else data.max_length (None: neither is set)."""
+    budget = data.pack_length if data.pack_length is not None else data.max_length
+    return None if budget is None else int(budget)
 
 
 def planned_at_max_length(cfg: Config) -> bool:

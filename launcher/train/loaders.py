@@ -31,12 +31,14 @@ from launcher.data.collate import Collator, fit_records
 from launcher.data.formats import SkipTally, skipped_entry
 from launcher.data.index import Records
 from launcher.data.length import LengthLimit, unchanged
+from launcher.data.packing import PackedCollator, PackedRows
 from launcher.data.records import ConversationDataset, LoadedData, Source, read_data, require_one_global_batch
-from launcher.data.sampling import LengthGroupedSampler, MixtureSampler
+from launcher.data.sampling import LengthGroupedSampler, MixtureSampler, PackedSampler
 from launcher.data.shapes import prepare_data
 from launcher.data.stream import RecordStream, StreamOrder, stream_files, stream_options, streamed_batches
 from launcher.job.planning import cache_dir
 from launcher.job.spec import Job
+from launcher.model.stats import pack_length
 from launcher.train.checkpoint import DataPosition, ResumableSampler, batches
 from launcher.train.distributed import Rank, barrier, main_process_first
 
@@ -114,6 +116,14 @@ def _indexed(
     require_one_global_batch(len(train_set), micro, rank.world_size)  # decoding and length may drop records
     sources = train_set.sources if train_cache is not None else loaded.train.sources[train_kept]
     sampler = _sampler(job, rank, loaded, train_set, sources)
+    if job.config.data.packing:  # rows of records (the cache's lengths planned into data.pack_length tokens)
+        train_set, collate = PackedRows(train_set), PackedCollator(processor, image_every_batch=guard)
+        if len(sampler) < micro:
+            raise LauncherError(
+                f"data: the records pack into {len(sampler)} row(s) of {sampler.budget} tokens per rank, fewer than "
+                f"one micro-batch ({micro} rows): more records, a smaller train.micro_batch_size, or a shorter "
+                "data.pack_length"
+            )
     train_loader = DataLoader(
         train_set, batch_size=micro, sampler=sampler, drop_last=True, generator=torch.Generator(),
         collate_fn=collate, **_loader_args(job, rank),
@@ -203,6 +213,8 @@ def _sampler(job: Job, rank: Rank, loaded: LoadedData, train_set: Any, sources: 
     if loaded.mixture:
         sizes = np.bincount(sources, minlength=len(loaded.sources)).tolist()
         return MixtureSampler(sizes, [source.weight for source in loaded.sources], **placement)
+    if job.config.data.packing:
+        return PackedSampler(train_set.lengths(), budget=int(pack_length(job.config.data) or 0), **placement)
     if job.config.data.group_by_length:
         return LengthGroupedSampler(train_set.lengths(), micro=job.micro_batch, **placement)
     return ResumableSampler(train_set, shuffle=True, **placement)

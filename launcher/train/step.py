@@ -20,7 +20,9 @@ import torch
 from launcher.core.checkpoints import find_resume_tag
 from launcher.core.errors import TrainingFailed
 from launcher.core.rundir import RunDir
+from launcher.data.packing import REAL_TOKENS, RECORD_LENGTHS
 from launcher.model.flops import FlopModel
+from launcher.model.packing import packed_inputs
 from launcher.train.distributed import Rank, all_reduce_sum
 from launcher.train.engine import Engine, unpartitioned_grad_norm
 from launcher.train.faults import Fault
@@ -36,16 +38,21 @@ class Work:
     padded: float = 0.0
     image_tokens: float = 0.0
     flops: float = 0.0
+    samples: float = 0.0  # records: a packed row holds several
 
     def add(self, batch: dict[str, Any], flops: FlopModel | None) -> None:
-        mask = batch["attention_mask"]
+        packed = RECORD_LENGTHS in batch
+        mask = batch[REAL_TOKENS] if packed else batch["attention_mask"]
         self.tokens += float(mask.sum())
         self.padded += float(mask.numel())
+        # Attention is per record: a packed row's records each attend within themselves.
+        lengths = [n for row in batch[RECORD_LENGTHS] for n in row] if packed else mask.sum(dim=1).tolist()
+        self.samples += len(lengths)
         if flops is None:
             return
         if flops.image_token_id is not None:
             self.image_tokens += float((batch["input_ids"] == flops.image_token_id).sum())
-        self.flops += flops.step_flops(mask.sum(dim=1).tolist(), flops.image_rows(batch))
+        self.flops += flops.step_flops(lengths, flops.image_rows(batch))
 
     def metrics(self, seconds: float, peak: float | None, world_size: int) -> dict[str, float]:
         """Real tokens/s, padding and image shares, model TFLOP/s and MFU (against `peak` per device)."""
@@ -134,6 +141,8 @@ def train_step(engine: Engine, data: Data, rank: Rank, state: StepState, step: i
         batch = next(data.batches)
         wait += time.perf_counter() - fetch_start
         work.add(batch, state.flops)
+        if RECORD_LENGTHS in batch:  # packed rows: positions that restart at every record, no attention mask
+            batch = packed_inputs(ds.module, batch)
         loss = ds(**to_device(batch, device, engine.dtype)).loss
         ds.backward(loss)
         if engine.grad_norm.computed_here and ds.is_gradient_accumulation_boundary():
@@ -141,14 +150,15 @@ def train_step(engine: Engine, data: Data, rank: Rank, state: StepState, step: i
         ds.step()
         loss_sum += float(loss.detach())
     state.fault.at(step)
-    reduced = all_reduce_sum([loss_sum, float(stop), work.tokens, work.padded, work.image_tokens, work.flops], device)
+    counts = [work.tokens, work.padded, work.image_tokens, work.flops, work.samples]
+    reduced = all_reduce_sum([loss_sum, float(stop), *counts], device)
     loss_sum, stop_votes = reduced[:2]
     work = Work(*reduced[2:])
     state.stop_agreed = stop_votes > 0
     step_loss = loss_sum / (engine.accum * rank.world_size)
     check_finite(state, step, step_loss, fp16=engine.dtype == torch.float16)
     step_time = time.perf_counter() - step_start
-    samples = engine.micro * engine.accum * rank.world_size
+    samples = work.samples  # records (micro x accum x ranks, unless rows are packed)
     state.throughput.add(step, step_time, samples, work)
     state.last_loss = step_loss
     metrics = {

@@ -36,6 +36,7 @@ from launcher.core.summary import Summary
 from launcher.job.reshard import resumed_batches
 from launcher.job.spec import Job
 from launcher.model.flops import FlopModel
+from launcher.model.packing import use_packed_attention
 from launcher.tracking.wandb_run import read_run_id, start_for_job
 from launcher.train import checkpoint
 from launcher.train.distributed import Rank, barrier, destroy, init_distributed
@@ -118,6 +119,8 @@ def setup(
     What must be undone however the run ends goes onto `cleanup`."""
     loaded = read_records(job, rank)
     engine = build_engine(job, rank, summary)
+    if job.config.data.packing:  # sdpa attends record by record in packed rows (launcher.model.packing)
+        summary.attn_implementation = use_packed_attention(engine.engine.module)
     data = build_data(job, rank, loaded, engine.processor, engine.zero_stage, run_dir, summary)
     marker = checkpoint_marker(job, engine, rank, summary)
     start_step, rng = resume(job, run_dir, rank, engine, data, summary)

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from launcher.core.errors import LauncherError
-from launcher.data.sampling import LengthGroupedSampler, MixtureSampler
+from launcher.data.sampling import LengthGroupedSampler, MixtureSampler, PackedSampler
 from launcher.train import checkpoint
 
 
@@ -283,3 +283,19 @@ def test_a_rank_outside_the_group_is_refused(num_replicas, rank):
         grouped([1, 2, 3], num_replicas=num_replicas, rank=rank)
     with pytest.raises(ValueError, match="micro=0, megabatch_factor=50: both must be at least 1"):
         grouped([1, 2, 3], micro=0)
+
+
+def test_packed_rows_are_dealt_to_the_ranks_once_each_and_resume_from_any_row():
+    lengths = np.random.default_rng(1).integers(20, 401, 600)
+    for world in (1, 2, 3):
+        samplers = [PackedSampler(lengths, budget=1024, num_replicas=world, rank=r, seed=4) for r in range(world)]
+        shares = [list(sampler) for sampler in samplers]
+        assert len({len(share) for share in shares}) == 1  # every rank the same number of rows
+        records = [i for share in shares for row in share for i in row]
+        assert len(records) == len(set(records))  # no record twice in an epoch
+        assert all(sum(lengths[list(row)]) <= 1024 for share in shares for row in share)
+        samplers[0].start = 5
+        assert list(samplers[0]) == shares[0][5:] and len(samplers[0]) == len(shares[0]) - 5
+        samplers[0].set_epoch(1)
+        samplers[0].start = 0
+        assert list(samplers[0]) != shares[0]  # another epoch, another plan

@@ -75,6 +75,12 @@ def test_a_stream_takes_steps_not_epochs():
         training_length(config)
 
 
+def test_a_packed_run_takes_steps_not_epochs():
+    config = compose_typed(["data.packing=true", "data.pack_length=256", "train.max_steps=null", "train.epochs=1"])
+    with pytest.raises(LauncherError, match=r"^train.epochs with data.packing=true: .*give train.max_steps instead"):
+        training_length(config)
+
+
 @pytest.mark.slow
 def test_a_run_given_in_epochs_trains_that_many_steps(train_in_process, tmp_path):
     run_dir = RunDir(tmp_path / "run")

@@ -154,6 +154,38 @@ CASES = [
     ),
     Case("shuffle-block-zero", ("data.shuffle_block=0",), "data.shuffle_block=0"),
     Case(
+        "packing-without-the-cache",
+        ("data.packing=true", "data.pack_length=256", "data.cache=false"),
+        "data.packing=true with data.cache=false: packing plans rows from the cached lengths: set data.cache=true",
+    ),
+    Case(
+        "packing-grouped-by-length",
+        ("data.packing=true", "data.pack_length=256", "data.group_by_length=true"),
+        "data.packing=true with data.group_by_length=true: packing already fills rows",
+    ),
+    Case(
+        "packing-without-a-row-length",
+        ("data.packing=true",),
+        "data.packing=true needs a row length: set data.pack_length (tokens per packed row), or data.max_length",
+    ),
+    Case(
+        "pack-length-below-max-length",
+        (
+            "data=llava_json",
+            "data.path={data}/train.json",
+            "data.packing=true",
+            "data.max_length=512",
+            "data.pack_length=256",
+        ),
+        "data.pack_length=256 is below data.max_length=512: a record may be 512 tokens",
+    ),
+    Case(
+        "pack-length-below-one-image",
+        ("data.packing=true", "data.pack_length=16"),
+        "data.pack_length=16 is no longer than one image's 16 tokens (tiny_llava at model.image_size=32): no record "
+        "with an image fits a row",
+    ),
+    Case(
         "max-length-zero",
         ("data.max_length=0",),
         "data.max_length=0 must be a positive number of tokens per sample (text + image tokens), e.g. 2048",

@@ -90,6 +90,28 @@ def test_a_streamed_job_resumes_mid_block_with_the_losses_of_an_uninterrupted_on
     assert losses(stopped.path) == losses(whole.run_dir)
 
 
+def test_a_packed_job_resumes_with_the_losses_of_an_uninterrupted_one(train_in_process, tmp_path):
+    """data.packing: rows of 8 records (256 tokens of the built-in set's 31-token records), 2 rows per
+    micro-batch; stopped after step 1 and resumed, the plan is recomputed and the rows after the saved
+    position train, to the same losses bit for bit. The summary counts records, not rows."""
+    packed = (*JOB, "train.max_steps=4", "data.packing=true", "data.pack_length=256", "train.micro_batch_size=2")
+    whole = train_in_process(*packed, run_dir=tmp_path / "whole")
+    assert whole.outcome.status == "completed", whole.outcome.error
+    summary = read_summary(whole.run_dir)
+    assert summary["padding_frac"] == 0.0 and summary["samples_per_sec"] > 0
+    first = read_metrics(whole.run_dir)[0]
+    assert first["perf/tokens_per_sec"] / first["perf/samples_per_sec"] == pytest.approx(31, rel=0.05)  # per record
+
+    stopped = RunDir(tmp_path / "stopped")
+    stopped.path.mkdir()
+    stopped.stop_file.touch()
+    assert train_in_process(*packed, run_dir=stopped.path).outcome.status == "preempted"
+    stopped.stop_file.unlink()
+    resumed = train_in_process(f"resume={stopped.path}", run_dir=stopped.path)
+    assert resumed.outcome.status == "completed", resumed.outcome.error
+    assert losses(stopped.path) == losses(whole.run_dir)
+
+
 # ----------------------------------------------------------------------------- the same mathematics
 # Short runs of the built-in job: no W&B, no generation, fp32, seeded.
 SHORT = ("logger=none", "train.micro_batch_size=8", "train.eval_every=0", "data.eval_accuracy=false", "train.seed=1")

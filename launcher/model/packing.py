@@ -1,0 +1,112 @@
+"""A packed batch (launcher.data.packing) made into what the model takes: position ids that restart at
+every record, and no attention mask.
+
+From position ids that restart, transformers' masking builds a block-diagonal causal mask (its
+packed-sequence path, on sdpa and eager alike), so no record attends to another. Qwen2-VL takes 4 x B x S
+position ids: the text positions (from which the mask is built) over its 3-D rotary index (temporal,
+height, width), which is computed here record by record, each from its own tokens and image grids, as
+the model computes it for a record alone: computed over the whole row, the rotary index of a record
+would continue from the records before it (the failure LLaMA-Factory's packing met, LF#10782).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from launcher.data.packing import REAL_TOKENS, RECORD_IMAGES, RECORD_LENGTHS
+
+
+def packed_inputs(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
+    """The model's inputs of a packed batch: position ids added, the packing's bookkeeping removed."""
+    inputs = {k: v for k, v in batch.items() if k not in (RECORD_LENGTHS, RECORD_IMAGES, REAL_TOKENS)}
+    inputs["use_cache"] = False  # with a key-value cache transformers looks for no packed sequences
+    lengths, images = batch[RECORD_LENGTHS], batch[RECORD_IMAGES]
+    inputs[PACKED_SPANS] = lengths  # read by packed_sdpa_attention (use_packed_attention); others ignore it
+    rows, width = inputs["input_ids"].shape
+    text = torch.zeros((rows, width), dtype=torch.long)
+    for row, row_lengths in enumerate(lengths):
+        start = 0
+        for length in [*row_lengths, width - sum(row_lengths)]:  # the padding: a sequence of its own
+            text[row, start : start + length] = torch.arange(length)
+            start += length
+    rotary_index = _rotary_index_function(model)
+    if rotary_index is None:
+        inputs["position_ids"] = text.to(inputs["input_ids"].device)
+        return inputs
+    rotary = text[None].repeat(3, 1, 1)  # text-only records and the padding: the text positions on all three axes
+    grids = inputs.get("image_grid_thw")
+    used = 0  # image grid rows of the records before
+    for row, (row_lengths, row_images) in enumerate(zip(lengths, images, strict=True)):
+        start = 0
+        for length, count in zip(row_lengths, row_images, strict=True):
+            if count:
+                span = slice(start, start + length)
+                positions, _ = rotary_index(
+                    inputs["input_ids"][row : row + 1, span],
+                    mm_token_type_ids=inputs["mm_token_type_ids"][row : row + 1, span],
+                    image_grid_thw=grids[used : used + count],
+                )
+                rotary[:, row, span] = positions[:, 0].to(rotary.dtype).cpu()
+                used += count
+            start += length
+    inputs["position_ids"] = torch.cat([text[None], rotary]).to(inputs["input_ids"].device)
+    return inputs
+
+
+def _rotary_index_function(model: nn.Module) -> Any:
+    """Qwen2-VL's get_rope_index (its inner model's), or None for a model with 1-D positions (LLaVA)."""
+    if hasattr(model, "get_base_model"):  # peft
+        model = model.get_base_model()
+    inner = getattr(model, "model", model)
+    return getattr(inner, "get_rope_index", None)
+
+
+# ----------------------------------------------------------------------------- attention per record
+PACKED_SPANS = "packed_spans"  # the model-call keyword that carries each row's record lengths to attention
+PACKED_ATTENTION = "packed_sdpa"  # the attention implementation that reads it
+
+
+def packed_sdpa_attention(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any
+) -> tuple[torch.Tensor, None]:
+    """sdpa run record by record, each span of a row causal on its own: the fused causal kernel, where a
+    block-diagonal mask over the whole row sends sdpa to its unfused kernel and computes every record
+    against every other, only to mask them. Without spans (an unpacked batch) it is plain sdpa."""
+    spans = kwargs.pop(PACKED_SPANS, None)
+    if spans is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    rows = []
+    width = query.shape[2]
+    for row, lengths in enumerate(spans):
+        pieces, start = [], 0
+        for length in [*lengths, width - sum(lengths)]:
+            if length:
+                part = slice(start, start + length)
+                out, _ = sdpa_attention_forward(
+                    module, query[row : row + 1, :, part], key[row : row + 1, :, part], value[row : row + 1, :, part],
+                    None, is_causal=True, **kwargs,
+                )  # fmt: skip
+                pieces.append(out)
+                start += length
+        rows.append(torch.cat(pieces, dim=1))
+    return torch.cat(rows, dim=0), None
+
+
+def use_packed_attention(model: nn.Module) -> str:
+    """Make the language model attend record by record in packed batches (sdpa only: eager keeps the
+    block-diagonal mask, flash-attention its own varlen path); returns the implementation it runs."""
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    text = model.config.get_text_config()
+    if text._attn_implementation != "sdpa":
+        return str(text._attn_implementation)
+    AttentionInterface.register(PACKED_ATTENTION, packed_sdpa_attention)
+    AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)  # unpacked batches keep sdpa's masks
+    model.set_attn_implementation({"text_config": PACKED_ATTENTION})
+    return PACKED_ATTENTION
