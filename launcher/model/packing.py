@@ -1,8 +1,10 @@
 """A packed batch (launcher.data.packing) made into what the model takes: position ids that restart at
-every record, and no attention mask.
+every record, and no 2-D attention mask; and the attention that runs record by record on sdpa.
 
 From position ids that restart, transformers' masking builds a block-diagonal causal mask (its
-packed-sequence path, on sdpa and eager alike), so no record attends to another. Qwen2-VL takes 4 x B x S
+packed-sequence path, on sdpa and eager alike), so no record attends to another. On sdpa the language
+model instead attends record by record (`use_packed_attention`: each record's span through the fused
+causal kernel), and no mask is built at all. Qwen2-VL takes 4 x B x S
 position ids: the text positions (from which the mask is built) over its 3-D rotary index (temporal,
 height, width), which is computed here record by record, each from its own tokens and image grids, as
 the model computes it for a record alone: computed over the whole row, the rotary index of a record
@@ -27,13 +29,12 @@ def packed_inputs(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
     inputs = {k: v for k, v in batch.items() if k not in (RECORD_LENGTHS, RECORD_IMAGES, REAL_TOKENS)}
     inputs["use_cache"] = False  # with a key-value cache transformers looks for no packed sequences
     lengths, images = batch[RECORD_LENGTHS], batch[RECORD_IMAGES]
+    rows, width = inputs["input_ids"].shape
     inputs[PACKED_SPANS] = lengths  # read by packed_sdpa_attention (use_packed_attention); others ignore it
     if _text_attention(model) == PACKED_ATTENTION:
         # It needs no mask: a 4-D one is passed as is, so transformers builds none (a row x length^2 build
         # per forward, ~5% of a tiny model's packed step here). An all-true view that allocates nothing.
-        rows_, width_ = inputs["input_ids"].shape
-        inputs["attention_mask"] = torch.ones((1, 1, 1, 1), dtype=torch.bool).expand(rows_, 1, width_, width_)
-    rows, width = inputs["input_ids"].shape
+        inputs["attention_mask"] = torch.ones((1, 1, 1, 1), dtype=torch.bool).expand(rows, 1, width, width)
     text = torch.zeros((rows, width), dtype=torch.long)
     for row, row_lengths in enumerate(lengths):
         start = 0
