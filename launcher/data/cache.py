@@ -78,6 +78,7 @@ IMAGE_STORAGE = tuple(choice.value for choice in CacheImages)  # data.cache_imag
 # The tensors an encoded record holds in place of pixel_values: its images' bytes, and each one's length.
 IMAGE_BYTES, IMAGE_LENGTHS = "image_bytes", "image_lengths"
 PROGRESS_EVERY_S = 30.0
+FINISH_WAIT_S = 60.0  # how long a build whose shard vanished waits for the job that is finishing the cache
 # 64-bit integer tensors (token ids, labels, masks, image grids, image byte lengths) are stored in 32 bits,
 # half the disk and page cache, and read back as 64-bit: a token id or length past 2**31 is refused.
 NARROWED = {np.dtype(np.int64).str: np.dtype(np.int32)}
@@ -251,12 +252,21 @@ def ensure_job_cache(
 
 def _unless_finished_elsewhere(path: Path, work: Callable[[], Any]) -> None:
     """Run a build step; another job building the same cache at once (a parallel sweep) may finish it first
-    and move the build directory away: then its cache is the one to use."""
+    and move the build directory away: then its cache is the one to use.
+
+    The other job, finishing, removes the temporary shards it finds (a killed build's) before it renames
+    the build into place: a shard this job is writing can vanish (FileNotFoundError) a moment before the
+    cache is complete. Then this job waits for that cache, up to FINISH_WAIT_S."""
     try:
         work()
-    except (OSError, TrainingFailed):
-        if _read_meta(path) is None:
-            raise
+    except (OSError, TrainingFailed) as error:
+        cause = error if isinstance(error, OSError) else error.__cause__
+        vanished = isinstance(cause, FileNotFoundError)
+        deadline = time.monotonic() + (FINISH_WAIT_S if vanished else 0.0)
+        while _read_meta(path) is None:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)
 
 
 class _ShardBuild:

@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 from PIL import Image
 
 from launcher.core.errors import LauncherError
+from launcher.data import cache as cache_module
 from launcher.data.cache import CachedCollator, CachedDataset, Part, RecordEncoder, cache_key, ensure_cache
 from launcher.data.collate import Collator, fit_records
 from launcher.data.formats import BadRecordError, skipped_entry
@@ -289,3 +291,37 @@ def test_an_encoded_cache_stores_each_images_file_and_a_fraction_of_the_pixels(
     assert stored == sum(os.path.getsize(image) for record in mixed_records for image in record["images"])
     assert not list(pixels.path.rglob("image_bytes.bin")) and not list(encoded.path.rglob("pixel_values.bin"))
     assert encoded.bytes < pixels.bytes
+
+
+def test_a_build_whose_shard_a_finishing_job_removed_waits_for_that_jobs_cache(
+    tmp_path, mixed_records, model_and_processor, monkeypatch
+):
+    """Two jobs build one cache at once (a parallel sweep): the one that finishes removes the temporary
+    shards it finds, this job's in-progress one among them, before it renames the build into place. This
+    job's write then fails (the shard's folder is gone); it waits for the other's cache and uses it."""
+    _, processor = model_and_processor
+    write_records = cache_module._write_records
+
+    def slow_write_records(out, shards):  # widen the window between the removal and the rename to 1 s
+        time.sleep(1.0)
+        write_records(out, shards)
+
+    monkeypatch.setattr(cache_module, "_write_records", slow_write_records)
+    other: dict = {}
+    records = ConversationDataset(mixed_records)
+
+    def load(index: int) -> dict:
+        if not other:  # this job's first record: the other job builds the whole cache meanwhile
+            other["thread"] = threading.Thread(
+                target=lambda: other.setdefault("info", build(tmp_path, mixed_records, processor))
+            )
+            other["thread"].start()
+            deadline = time.monotonic() + 60
+            temporary = tmp_path / "data_cache"
+            while list(temporary.glob(".*.building/shards/.*")) and time.monotonic() < deadline:
+                time.sleep(0.01)  # until the other job has removed this job's temporary shard (and its own)
+        return records[index]
+
+    info = build(tmp_path, mixed_records, processor, load=load)
+    other["thread"].join()
+    assert info.path == other["info"].path and info.records == 12
