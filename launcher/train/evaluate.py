@@ -11,7 +11,7 @@ from launcher.job.spec import Job
 from launcher.train.distributed import Rank, all_reduce_sum
 from launcher.train.engine import Engine
 from launcher.train.loaders import Data
-from launcher.train.step import to_device
+from launcher.train.step import answer_tokens, to_device
 
 log = logging.getLogger("launcher")
 
@@ -24,7 +24,8 @@ def evaluation_due(job: Job, step: int) -> bool:
 
 @torch.no_grad()
 def evaluate(job: Job, engine: Engine, data: Data, rank: Rank) -> dict[str, float]:
-    """Held-out loss (and exact-match accuracy when data.eval_accuracy), averaged over ranks."""
+    """Held-out loss, the mean over every answer token of the held-out set as training averages a step
+    (and exact-match accuracy when data.eval_accuracy), over all ranks."""
     if data.eval_loader is None:  # no held-out data given
         return {}
     ds, device = engine.engine, rank.device
@@ -32,8 +33,9 @@ def evaluate(job: Job, engine: Engine, data: Data, rank: Rank) -> dict[str, floa
     loss_sum, count = 0.0, 0.0
     for batch in data.eval_loader:
         outputs = ds(**to_device(batch, device, engine.dtype))
-        loss_sum += float(outputs.loss) * batch["input_ids"].shape[0]
-        count += batch["input_ids"].shape[0]
+        answers = answer_tokens(batch)
+        loss_sum += float(outputs.loss) * answers
+        count += answers
     total_loss, total_count = all_reduce_sum([loss_sum, count], device)
     metrics = {"eval/loss": total_loss / max(total_count, 1.0)}
     if data.accuracy_set is not None:

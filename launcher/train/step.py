@@ -1,7 +1,15 @@
 """One optimizer step of one rank, and what it measures: loss, learning rate, gradient norm, throughput.
 
-    accum x (batch -> engine(batch).loss -> engine.backward -> engine.step)
+    accum batches -> their answer tokens, summed over ranks (one all-reduce; none on one rank)
+    accum x (batch -> engine(batch).loss, weighted by its share of the answer tokens -> engine.backward
+             -> engine.step)
     one all-reduce: the loss and tokens summed over ranks, and whether any rank was asked to stop
+
+The loss is the mean over every answer token of the step, on every rank: a micro-batch's mean is
+weighted by its answer tokens, so how records are split into micro-batches, rows or ranks changes no
+loss and no gradient (a packed row of 11 short records counts 11 records, not one row; a micro-batch of
+long answers outweighs one of short answers, as in one large batch). Transformers' Trainer normalises
+the same way (num_items_in_batch).
 
 A non-finite loss stops the run at once (fp32 and bf16: the update was applied, the weights are
 spoiled), except under fp16, whose loss scaler skips such an update (up to train.max_nonfinite_steps in
@@ -20,6 +28,7 @@ import torch
 from launcher.core.checkpoints import find_resume_tag
 from launcher.core.errors import TrainingFailed
 from launcher.core.rundir import RunDir
+from launcher.data.length import IGNORE_INDEX
 from launcher.data.packing import REAL_TOKENS, RECORD_LENGTHS
 from launcher.model.flops import FlopModel
 from launcher.model.packing import packed_inputs
@@ -136,26 +145,31 @@ def train_step(engine: Engine, data: Data, rank: Rank, state: StepState, step: i
     wait = loss_sum = 0.0
     work = Work()
     grad_norm = math.nan
-    for _ in range(engine.accum):
-        fetch_start = time.perf_counter()
-        batch = next(data.batches)
-        wait += time.perf_counter() - fetch_start
+    fetch_start = time.perf_counter()
+    batches = [next(data.batches) for _ in range(engine.accum)]
+    wait += time.perf_counter() - fetch_start
+    answers = [answer_tokens(batch) for batch in batches]
+    (step_answers,) = all_reduce_sum([float(sum(answers))], device)
+    for batch, micro_answers in zip(batches, answers, strict=True):
         work.add(batch, state.flops)
         if RECORD_LENGTHS in batch:  # packed rows: positions that restart at every record, no attention mask
             batch = packed_inputs(ds.module, batch)
-        loss = ds(**to_device(batch, device, engine.dtype)).loss
-        ds.backward(loss)
+        micro_loss = ds(**to_device(batch, device, engine.dtype)).loss  # the mean over its answer tokens
+        # DeepSpeed divides by accum (and averages gradients over ranks): weighted so the sum over the
+        # step's micro-batches and ranks is the mean over all its answer tokens.
+        weight = micro_answers * engine.accum * rank.world_size / max(step_answers, 1.0)
+        ds.backward(micro_loss * weight if weight != 1.0 else micro_loss)
+        loss_sum += float(micro_loss.detach()) * micro_answers
         if engine.grad_norm.computed_here and ds.is_gradient_accumulation_boundary():
             grad_norm = unpartitioned_grad_norm(ds)
         ds.step()
-        loss_sum += float(loss.detach())
     state.fault.at(step)
     counts = [work.tokens, work.padded, work.image_tokens, work.flops, work.samples]
     reduced = all_reduce_sum([loss_sum, float(stop), *counts], device)
     loss_sum, stop_votes = reduced[:2]
     work = Work(*reduced[2:])
     state.stop_agreed = stop_votes > 0
-    step_loss = loss_sum / (engine.accum * rank.world_size)
+    step_loss = loss_sum / max(step_answers, 1.0)
     check_finite(state, step, step_loss, fp16=engine.dtype == torch.float16)
     step_time = time.perf_counter() - step_start
     samples = work.samples  # records (micro x accum x ranks, unless rows are packed)
@@ -199,6 +213,12 @@ def check_finite(state: StepState, step: int, loss: float, *, fp16: bool) -> Non
         f"loss is {loss} at step {step}: {fixes} or check the data"
         + (f"; checkpoint {saved}, saved before it, resumes with resume={state.run_dir.path}" if saved else "")
     )
+
+
+def answer_tokens(batch: dict[str, Any]) -> int:
+    """The tokens a batch's loss averages over: labels not ignored (-100), after the shift by one that
+    the causal-LM loss applies (the first position predicts nothing)."""
+    return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
 
 
 def loss_scale(optimizer: Any) -> float:
