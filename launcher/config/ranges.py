@@ -141,6 +141,12 @@ TUNE_RANGES: tuple[Range, ...] = (
         for key in ("skip_margin", "loss_tolerance", "low_precision_loss_tolerance", "candidate_timeout_s")
     ),
     Range(
+        "tune.pack_lengths",
+        lambda v: len(v) > 0 and all(int(n) >= 16 for n in v),
+        "must list row lengths of 16 tokens or more (e.g. [2048,4096]), or be null for data.pack_length",
+        optional=True,
+    ),
+    Range(
         "tune.memory_gb",
         lambda v: float(v) > 0,
         "must be positive (GiB per rank), or null for the planner's",

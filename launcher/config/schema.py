@@ -54,6 +54,7 @@ LoggerMode = _choice("LoggerMode", ("auto", "online", "offline", "disabled"))
 Preflight = _choice("Preflight", ("warn", "error", "off"))
 Method = _choice("Method", ("full", "lora", "qlora"))
 AttnImplementation = _choice("AttnImplementation", ("auto", "eager", "sdpa", "flash_attention_2"))
+Batching = _choice("Batching", ("pad", "group", "pack"))
 ShapesTask = _choice("ShapesTask", ("shape", "colour"))
 QuantType = _choice("QuantType", ("nf4", "fp4"))
 # The presets in conf/deepspeed (launcher.memory.PRESETS holds what each selects; a test keeps them equal).
@@ -345,6 +346,10 @@ class TuneConfig:
     micro_batch_sizes: list[int] | None = None  # null: half, once and twice train.micro_batch_size
     gradient_checkpointing: list[bool] = field(default_factory=lambda: [False, True])
     attn_implementations: list[AttnImplementation] | None = None  # null: model.attn_implementation only
+    # How micro batches are filled: pad (to the longest record), group (data.group_by_length), pack
+    # (data.packing); null: the job's own. Candidates are compared by real (non-padding) tokens/s.
+    batching: list[Batching] | None = None
+    pack_lengths: list[int] | None = None  # tokens per packed row of `pack`; null: the job's data.pack_length
     # Memory one rank may use, in GiB: a GPU's device memory (CUDA out-of-memory also ends a candidate);
     # on a CPU, a rank's peak resident set size, enforced by the tuner. null: the planner's usable memory.
     memory_gb: float | None = None

@@ -25,8 +25,10 @@ class Result:
     components: dict[str, int] = field(default_factory=dict)  # the planned bytes by component
     status: str = "not run"  # fits | does not fit | pruned | skipped | dominated | failed | wrong | not run
     note: str = ""  # why: the error line, the prediction, the dominating candidate, the loss gap
-    samples_per_s: float | None = None
-    tokens_per_s: float | None = None
+    samples_per_s: float | None = None  # records/s (a packed row counts its records)
+    tokens_per_s: float | None = None  # real (non-padding) tokens/s: what candidates are compared by
+    padding_frac: float | None = None  # the measured steps' padding share of the tokens computed
+    mfu: float | None = None  # model FLOPs utilisation (launcher.model.flops against the device's peak)
     peak: int | None = None  # bytes, the largest rank's peak
     losses: list[float] = field(default_factory=list)  # train/loss of steps 1, 2, ...
     steps: int = 0  # measured steps behind the throughput
@@ -94,12 +96,7 @@ def skip_reason(candidate: Candidate, results: Sequence[Result]) -> str | None:
         return None
     for other in results:
         twin = other.candidate
-        if twin.checkpointing or (twin.preset, twin.precision, twin.micro, twin.attention) != (
-            candidate.preset,
-            candidate.precision,
-            candidate.micro,
-            candidate.attention,
-        ):
+        if twin.checkpointing or twin.twin_key != candidate.twin_key:
             continue
         if other.status in ("fits", "dominated"):
             how = "fits" if other.status == "fits" else "lost to a faster candidate that fits"
@@ -107,33 +104,36 @@ def skip_reason(candidate: Candidate, results: Sequence[Result]) -> str | None:
     return None
 
 
-def dominating(samples_per_s: float, peak_so_far: int, results: Sequence[Result], margin: float) -> Result | None:
-    """A measured candidate faster by more than `margin` that used no more memory than this one has
-    already used: a peak only grows, so this one can never beat it on either."""
+def dominating(tokens_per_s: float, peak_so_far: int, results: Sequence[Result], margin: float) -> Result | None:
+    """A measured candidate faster (real tokens/s) by more than `margin` that used no more memory than
+    this one has already used: a peak only grows, so this one can never beat it on either."""
     better = [
         r
         for r in results
         if r.status == "fits"
-        and r.samples_per_s is not None
+        and r.tokens_per_s is not None
         and r.peak is not None
-        and r.samples_per_s > samples_per_s * (1 + margin)
+        and r.tokens_per_s > tokens_per_s * (1 + margin)
         and r.peak <= peak_so_far
     ]
-    return max(better, key=lambda r: r.samples_per_s) if better else None
+    return max(better, key=lambda r: r.tokens_per_s) if better else None
 
 
 def loss_mismatches(results: Sequence[Result], tolerance: float, low_precision_tolerance: float) -> dict[str, str]:
     """Candidates whose first losses differ from their reference's beyond the tolerance: name -> why.
 
-    The reference is the first measured candidate with the same precision and micro batch size (the
-    loss averages per micro batch, so another micro batch size may legitimately differ when records'
-    lengths vary); the losses compared are the steps both measured, up to 3."""
-    references: dict[tuple[str, int], Result] = {}
+    The reference is the first measured candidate with the same precision, micro batch size and batching
+    (grouping by length and packing put other records in a step; the loss is the mean over a step's
+    answer tokens, so a split alone changes only the order of its sums); the losses compared are the
+    steps both measured, up to 3.
+    """
+    references: dict[tuple[str, int, str | None, int | None], Result] = {}
     wrong = {}
     for result in results:
         if not result.measured or not result.losses:
             continue
-        key = (result.candidate.precision, result.candidate.micro)
+        c = result.candidate
+        key = (c.precision, c.micro, c.batching, c.pack_length)
         ref = references.setdefault(key, result)
         if ref is result:
             continue
@@ -149,16 +149,16 @@ def loss_mismatches(results: Sequence[Result], tolerance: float, low_precision_t
 
 
 def pareto_front(results: Sequence[Result]) -> list[Result]:
-    """The measured fitting candidates no other beats on both speed and memory, by memory."""
-    pool = [r for r in results if r.status == "fits" and r.samples_per_s and r.peak]
+    """The measured fitting candidates no other beats on both speed (real tokens/s) and memory, by memory."""
+    pool = [r for r in results if r.status == "fits" and r.tokens_per_s and r.peak]
     front = [
         r
         for r in pool
         if not any(
             o is not r
-            and o.samples_per_s >= r.samples_per_s
+            and o.tokens_per_s >= r.tokens_per_s
             and o.peak <= r.peak
-            and (o.samples_per_s > r.samples_per_s or o.peak < r.peak)
+            and (o.tokens_per_s > r.tokens_per_s or o.peak < r.peak)
             for o in pool
         )
     ]
@@ -166,14 +166,15 @@ def pareto_front(results: Sequence[Result]) -> list[Result]:
 
 
 def pick(results: Sequence[Result]) -> Result | None:
-    """The fastest candidate that fits (less memory breaks a tie)."""
-    pool = [r for r in results if r.status == "fits" and r.samples_per_s]
-    return max(pool, key=lambda r: (r.samples_per_s, -(r.peak or 0))) if pool else None
+    """The fastest candidate that fits, by real (non-padding) tokens/s: records/s would favour short
+    records, and a packed row holds several; less memory breaks a tie."""
+    pool = [r for r in results if r.status == "fits" and r.tokens_per_s]
+    return max(pool, key=lambda r: (r.tokens_per_s, -(r.peak or 0))) if pool else None
 
 
 def ordered(results: Sequence[Result]) -> list[Result]:
-    """By status (fits first), then by speed."""
-    return sorted(results, key=lambda r: (STATUS_ORDER.index(r.status), -(r.samples_per_s or 0.0)))
+    """By status (fits first), then by speed (real tokens/s)."""
+    return sorted(results, key=lambda r: (STATUS_ORDER.index(r.status), -(r.tokens_per_s or 0.0)))
 
 
 # ================================================================================ the planner, checked

@@ -21,8 +21,10 @@ CSV_COLUMNS = (
     "candidate",
     "status",
     "fits",
-    "samples_per_s",
     "tokens_per_s",
+    "samples_per_s",
+    "padding_frac",
+    "mfu",
     "peak_mib",
     "planned_mib",
     "measured_over_planned",
@@ -45,8 +47,10 @@ def table_rows(results: Sequence[Result], global_batch: int) -> list[dict[str, A
                 "fits": {"fits": "yes", "wrong": "yes", "does not fit": "no", "pruned": "no (predicted)"}.get(
                     r.status, "?"
                 ),
-                "samples_per_s": None if r.samples_per_s is None else round(r.samples_per_s, 3),
                 "tokens_per_s": None if r.tokens_per_s is None else round(r.tokens_per_s, 1),
+                "samples_per_s": None if r.samples_per_s is None else round(r.samples_per_s, 3),
+                "padding_frac": None if r.padding_frac is None else round(r.padding_frac, 4),
+                "mfu": None if r.mfu is None else round(r.mfu, 5),
                 "peak_mib": None if r.peak is None else round(r.peak / MiB, 1),
                 "planned_mib": None if r.planned is None else round(r.planned / MiB, 1),
                 "measured_over_planned": round(r.peak / r.planned, 3) if r.peak and r.planned else None,
@@ -71,21 +75,28 @@ def write_csv(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    header = ["candidate", "status", "samples/s", "tokens/s", "peak MiB", "planned MiB", "measured/planned", "note"]
+    header = ["candidate", "status", "real tokens/s", "samples/s", "padding", "MFU", "peak MiB", "planned MiB"]
+    header += ["measured/planned", "note"]
     keys = [
         "candidate",
         "status",
-        "samples_per_s",
         "tokens_per_s",
+        "samples_per_s",
+        "padding_frac",
+        "mfu",
         "peak_mib",
         "planned_mib",
         "measured_over_planned",
         "note",
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    shares = {"padding_frac": ".1%", "mfu": ".2%"}  # fractions in the CSV, percentages here
     for row in rows:
-        cells = ["-" if row[k] is None or row[k] == "" else str(row[k]).replace("|", "\\|") for k in keys]
-        lines.append("| " + " | ".join(cells) + " |")
+        cells = [
+            "-" if row[k] is None or row[k] == "" else format(row[k], shares[k]) if k in shares else str(row[k])
+            for k in keys
+        ]
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     return "\n".join(lines)
 
 
@@ -133,9 +144,9 @@ def report(t: Tuning) -> str:
         lines.append("**No candidate fits the budget**: raise tune.memory_gb, add ranks, or widen the space.")
     else:
         lines += [
-            f"**Pick: {best.name}**: {best.samples_per_s:.2f} samples/s, "
-            + (f"{best.tokens_per_s:.0f} tokens/s, " if best.tokens_per_s else "")
-            + f"peak {best.peak / MiB:.0f} MiB per rank",
+            f"**Pick: {best.name}**: {best.tokens_per_s:.0f} real tokens/s ({best.samples_per_s:.2f} samples/s"
+            + (f", {best.padding_frac:.1%} padding" if best.padding_frac is not None else "")
+            + f"), peak {best.peak / MiB:.0f} MiB per rank",
             "",
             f"    {t.command_line(best)}",
             f"    python train.py hydra.searchpath=[file://{t.directory.resolve()}] experiment=best",
@@ -147,7 +158,10 @@ def report(t: Tuning) -> str:
     lines += [
         "## How",
         "",
-        "Throughput: the global batch over the mean step time of the measured steps (after the warm-up ones). "
+        "Throughput: real (non-padding) tokens over the time of the measured steps (after the warm-up ones); "
+        "the pick is the fastest by it (samples/s favours short records, and a packed row holds several). "
+        "Padding: the share of the tokens computed that were padding; MFU: model FLOPs (the vision tower per "
+        "patch, the language model per token) over the device's peak. "
         "Peak: the largest rank's peak (a CPU: resident set size, polled by the tuner, and rank 0's own maximum; "
         "a GPU: the rank's reported peak). Pruned: predicted above the budget by more than tune.margin, or a "
         "smaller micro batch of the same configuration did not fit. Skipped: gradient checkpointing on, and the "
@@ -163,8 +177,10 @@ def report(t: Tuning) -> str:
 
 def describe(result: Result) -> str:
     figures = ""
-    if result.samples_per_s:
-        figures = f" {result.samples_per_s:.2f} samples/s over {result.steps} steps,"
+    if result.tokens_per_s:
+        figures = f" {result.tokens_per_s:.0f} real tokens/s ({result.samples_per_s or 0:.2f} samples/s"
+        figures += f", {result.padding_frac:.1%} padding)" if result.padding_frac is not None else ")"
+        figures += f" over {result.steps} steps,"
     peak = f" peak {result.peak / MiB:.0f} MiB" if result.peak else ""
     planned = f" (planned {result.planned / MiB:.0f})" if result.planned else ""
     note = f"; {result.note}" if result.note else ""
@@ -185,7 +201,7 @@ def best_yaml(t: Tuning, result: Result) -> str:
     lines = [
         "# @package _global_",
         f"# Picked by python -m launcher.tune ({time.strftime('%Y-%m-%d %H:%M')}): {result.name}, "
-        f"{result.samples_per_s:.2f} samples/s, peak {result.peak / MiB:.0f} MiB per rank.",
+        f"{result.tokens_per_s:.0f} real tokens/s, peak {result.peak / MiB:.0f} MiB per rank.",
         f"#   python train.py hydra.searchpath=[file://{t.directory.resolve()}] experiment=best",
     ]
     if group_choices:
@@ -215,34 +231,34 @@ def _nested(dotted: Mapping[str, str]) -> dict[str, Any]:
 
 
 def write_plot(t: Tuning, path: Path) -> None:
-    """tune.png: samples/s against peak memory per rank; the Pareto front joined; the budget and the pick."""
+    """tune.png: real tokens/s against peak memory per rank; the Pareto front joined; the budget and the pick."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(9, 6), layout="constrained")
     ax = fig.add_subplot()
     styles = {"fits": ("o", "C0"), "wrong": ("x", "C3"), "dominated": ("s", "C7"), "does not fit": ("v", "C1")}
     for status, (marker, color) in styles.items():
-        points = [r for r in t.results if r.status == status and r.samples_per_s and r.peak]
+        points = [r for r in t.results if r.status == status and r.tokens_per_s and r.peak]
         if points:
             ax.scatter(
                 [r.peak / MiB for r in points],
-                [r.samples_per_s for r in points],
+                [r.tokens_per_s for r in points],
                 marker=marker,
                 color=color,
                 label=status,
             )
             for r in points:
                 ax.annotate(
-                    r.name, (r.peak / MiB, r.samples_per_s), fontsize=7, xytext=(3, 3), textcoords="offset points"
+                    r.name, (r.peak / MiB, r.tokens_per_s), fontsize=7, xytext=(3, 3), textcoords="offset points"
                 )
     front = pareto_front(t.results)
     if front:
-        ax.plot([r.peak / MiB for r in front], [r.samples_per_s for r in front], "-", color="C2", label="Pareto front")
+        ax.plot([r.peak / MiB for r in front], [r.tokens_per_s for r in front], "-", color="C2", label="Pareto front")
     best = pick(t.results)
     if best is not None:
         ax.scatter(
             [best.peak / MiB],
-            [best.samples_per_s],
+            [best.tokens_per_s],
             s=250,
             facecolors="none",
             edgecolors="C2",
@@ -250,7 +266,7 @@ def write_plot(t: Tuning, path: Path) -> None:
         )
     ax.axvline(t.budget / MiB, color="C1", linestyle="--", label=f"budget {t.budget / MiB:.0f} MiB")
     ax.set_xlabel("peak memory per rank (MiB)")
-    ax.set_ylabel("samples/s")
+    ax.set_ylabel("real (non-padding) tokens/s")
     ax.set_title(f"autotuning: {len(t.results)} candidates, global batch {t.global_batch}, {t.world_size} rank(s)")
     ax.legend(fontsize=8)
     fig.savefig(path, dpi=110)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from launcher.config.compose import compose
 from launcher.config.schema import TuneConfig
@@ -96,14 +96,39 @@ def kill_ranks(root_pid: int) -> None:
                 proc.send_signal(signal.SIGKILL)
 
 
-def measure(records: Sequence[Mapping[str, Any]], warmup: int, global_batch: int) -> tuple[float, float, int] | None:
-    """(samples/s, tokens/s, steps) over the steps after the warm-up ones; None before any."""
+class Measured(NamedTuple):
+    """A candidate's figures over its measured steps."""
+
+    samples_per_s: float
+    tokens_per_s: float  # real (non-padding) tokens
+    steps: int
+    padding_frac: float | None  # padding's share of the tokens computed
+    mfu: float | None  # time-weighted model FLOPs utilisation (None where the run reports none)
+
+
+def measure(records: Sequence[Mapping[str, Any]], warmup: int, global_batch: int) -> Measured | None:
+    """The figures over the steps after the warm-up ones (the rank's metrics.jsonl rows); None before any.
+
+    Samples/s counts records as each step reports them (perf/samples_per_sec: a packed row holds several),
+    else the global batch per step."""
     measured = [r for r in records if int(r["step"]) > warmup and r.get("perf/step_time_s")]
     if not measured:
         return None
-    seconds = sum(float(r["perf/step_time_s"]) for r in measured)
-    tokens = sum(float(r.get("perf/tokens_per_sec") or 0) * float(r["perf/step_time_s"]) for r in measured)
-    return global_batch * len(measured) / seconds, tokens / seconds, len(measured)
+    times = [float(r["perf/step_time_s"]) for r in measured]
+    seconds = sum(times)
+    samples = sum(float(r.get("perf/samples_per_sec") or 0) * t for r, t in zip(measured, times, strict=True))
+    samples = samples or global_batch * len(measured)
+    tokens = [float(r.get("perf/tokens_per_sec") or 0) * t for r, t in zip(measured, times, strict=True)]
+    padding = None
+    if all("perf/padding_frac" in r for r in measured):
+        computed = sum(
+            n / max(1.0 - float(r["perf/padding_frac"]), 1e-9) for n, r in zip(tokens, measured, strict=True)
+        )
+        padding = 1.0 - sum(tokens) / computed if computed else 0.0
+    mfu = None
+    if all(r.get("perf/mfu") is not None for r in measured):
+        mfu = sum(float(r["perf/mfu"]) * t for r, t in zip(measured, times, strict=True)) / seconds
+    return Measured(samples / seconds, sum(tokens) / seconds, len(measured), padding, mfu)
 
 
 def _read_new_records(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
@@ -241,7 +266,12 @@ def _settle(
     result.peak = watch.peak or None
     figures = measure(watch.records, warmup, t.global_batch)
     if figures is not None:
-        result.samples_per_s, result.tokens_per_s, result.steps = figures
+        result.samples_per_s, result.tokens_per_s, result.steps = (
+            figures.samples_per_s,
+            figures.tokens_per_s,
+            figures.steps,
+        )
+        result.padding_frac, result.mfu = figures.padding_frac, figures.mfu
     summary = watcher.run_dir.read_summary() or Summary(status="failed")
     error = outcome.error or summary.error
     stopped_from_outside = outcome.status in ("interrupted", "preempted") or any(
@@ -276,12 +306,12 @@ def _verdict(t: Tuning, watch: Watch, new: list[dict[str, Any]], started: float,
         so_far = measure(watch.records, warmup, t.global_batch)
         if so_far is not None:
             # One measured step is noisier than two: it must lose by twice the margin.
-            margin = float(tc.skip_margin) * (2 if so_far[2] == 1 else 1)
-            better = dominating(so_far[0], watch.peak, t.results, margin)
+            margin = float(tc.skip_margin) * (2 if so_far.steps == 1 else 1)
+            better = dominating(so_far.tokens_per_s, watch.peak, t.results, margin)
             if better is not None:
                 return (
                     "dominated",
-                    f"{better.name} is faster ({better.samples_per_s:.2f} > {so_far[0]:.2f} samples/s after "
-                    f"{so_far[2]} steps) with no more memory",
+                    f"{better.name} is faster ({better.tokens_per_s:.0f} > {so_far.tokens_per_s:.0f} real tokens/s "
+                    f"after {so_far.steps} steps) with no more memory",
                 )
     return None

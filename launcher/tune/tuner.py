@@ -7,14 +7,16 @@
 Takes train.py's overrides (the job to tune) and `tune.*` (the search, docs/tune.md). The space is
 ZeRO preset (stage and offload) x precision x micro batch size (gradient accumulation adjusted so
 the global batch stays the job's) x gradient checkpointing (x attention implementation, when
-`tune.attn_implementations` lists several). Each candidate is planned first; one predicted above
-the memory budget by more than `tune.margin` is pruned. The rest run one at a time, each as
-`python train.py OVERRIDES CANDIDATE` in a child process (same data order, same seed) for
+`tune.attn_implementations` lists several; x batching, padded, grouped by length or packed per row
+length, when `tune.batching` lists them). Candidates are compared by real (non-padding) tokens/s.
+Each candidate is planned first; one predicted above the memory budget by more than `tune.margin` is
+pruned. The rest run one at a time, each as `python train.py OVERRIDES CANDIDATE` in a child process
+(same data order, same seed) for
 `tune.warmup_steps` + `tune.measure_steps` steps, and are stopped once measured. A rank above the
 budget (a CPU: its resident set size, polled; a GPU: CUDA out of memory too) ends its candidate as
 "does not fit"; a crash is recorded with its one-line error; first losses that differ from the
 reference candidate's mark it "wrong". The tune directory gets tune.md/tune.csv (sorted by speed),
-tune.png (throughput against peak memory, Pareto front marked), experiment/best.yaml (with
+tune.png (real tokens/s against peak memory, Pareto front marked), experiment/best.yaml (with
 best.yaml beside it) for `python train.py hydra.searchpath=[file://TUNE_DIR] experiment=best`,
 and, with logger=wandb, one W&B run per candidate in one group plus a report run with a Table.
 
@@ -46,9 +48,10 @@ from launcher.config.schema import Config, plain, typed
 from launcher.core import credentials
 from launcher.core.errors import LauncherError, one_line
 from launcher.core.rundir import RunDir
+from launcher.job.checks import check_data
 from launcher.job.planning import plan_job
 from launcher.job.spec import HydraJob, Job
-from launcher.model.stats import model_stats, sequence
+from launcher.model.stats import model_stats, pack_length, sequence
 from launcher.plan.memory import PRESETS, Target, estimate, layout_from_ds_config
 from launcher.plan.report import target_device
 from launcher.tracking.naming import has_credentials, resolve_mode
@@ -123,6 +126,7 @@ def _tuning(cfg: Config, overrides: Sequence[str]) -> Tuning:
     """The tuning of the job `overrides` describes: its space, its budget, each candidate planned."""
     tc = cfg.tune
     tunes_attention = bool(tc.attn_implementations)
+    batchings = _batchings(cfg)
     # The job as given (its own batch sizes) sets the global batch every candidate keeps.
     job = plan_job(cfg, HydraJob(run_dir=Path("."), overrides=tuple(overrides)), validate=False)
     world_size, global_batch = job.world_size, job.global_batch
@@ -135,7 +139,14 @@ def _tuning(cfg: Config, overrides: Sequence[str]) -> Tuning:
     attentions: list[str | None] = [str(a) for a in tc.attn_implementations] if tunes_attention else [None]
     checkpointing = [bool(b) for b in tc.gradient_checkpointing]
     candidates, left_out = search_space(
-        presets, precisions, micros, checkpointing, attentions, global_batch=global_batch, world_size=world_size
+        presets,
+        precisions,
+        micros,
+        checkpointing,
+        attentions,
+        global_batch=global_batch,
+        world_size=world_size,
+        batchings=batchings,
     )
     if not candidates:
         raise LauncherError(
@@ -150,7 +161,12 @@ def _tuning(cfg: Config, overrides: Sequence[str]) -> Tuning:
     directory = Path(tc.dir or time.strftime("outputs/tune/%Y-%m-%d/%H-%M-%S")).expanduser()
     if (directory / "tune.md").exists():
         raise LauncherError(f"tune.dir={directory} already holds a tuning (tune.md): choose a new directory")
-    base = base_overrides(overrides, tunes_attention=tunes_attention)
+    base = base_overrides(
+        overrides,
+        tunes_attention=tunes_attention,
+        tunes_batching=bool(tc.batching),
+        tunes_pack_length=bool(tc.pack_lengths),
+    )
     t = Tuning(
         directory, base, global_batch, world_size, budget, source, left_out=left_out, device_kind=job.device.kind
     )
@@ -159,10 +175,37 @@ def _tuning(cfg: Config, overrides: Sequence[str]) -> Tuning:
         f"tune: {len(candidates)} candidates ({len(presets)} presets x {len(precisions)} precisions x "
         f"{len({c.micro for c in candidates})} micro batch sizes x {len(checkpointing)} checkpointing"
         + (f" x {len(attentions)} attention" if tunes_attention else "")
+        + (f" x {len(batchings)} batching" if tc.batching else "")
         + f"), global batch {global_batch} on {world_size} rank(s); budget {budget / MiB:.0f} MiB per rank ({source}); "
         f"writing {directory}"
     )
     return t
+
+
+def _batchings(cfg: Config) -> list[tuple[str | None, int | None]]:
+    """tune.batching x tune.pack_lengths as (pad | group | pack, row length): a row length per packed
+    candidate, none for the others; [(None, None)]: the job's own batching."""
+    tc = cfg.tune
+    kinds = [str(kind) for kind in tc.batching or []]
+    if tc.pack_lengths and "pack" not in kinds:
+        raise LauncherError(
+            f"tune.pack_lengths={list(tc.pack_lengths)} without pack in tune.batching: row lengths are for packed "
+            "candidates; add pack (e.g. tune.batching=[group,pack]) or drop tune.pack_lengths"
+        )
+    if "pack" in kinds and not tc.pack_lengths and pack_length(cfg.data) is None:
+        raise LauncherError(
+            "tune.batching has pack but no row length: set tune.pack_lengths (e.g. [2048,4096]), or "
+            "data.pack_length (or data.max_length)"
+        )
+    if not kinds:
+        return [(None, None)]
+    batchings: list[tuple[str | None, int | None]] = []
+    for kind in dict.fromkeys(kinds):
+        if kind == "pack" and tc.pack_lengths:
+            batchings += [(kind, int(n)) for n in dict.fromkeys(tc.pack_lengths)]
+        else:
+            batchings.append((kind, None))
+    return batchings
 
 
 def _planned(base: list[str], candidate: Any, global_batch: int, target: Target) -> Result:
@@ -171,6 +214,7 @@ def _planned(base: list[str], candidate: Any, global_batch: int, target: Target)
     result = Result(candidate)
     try:
         candidate_cfg = typed(compose([*base, *candidate.overrides(global_batch)]))
+        check_data(candidate_cfg.data)  # e.g. packing with a stream: refused as train.py would
         candidate_job = plan_job(candidate_cfg, HydraJob(run_dir=Path(".")), validate=False)
         result.planned, result.components = planned_memory(candidate_cfg, candidate_job, target)
         # As train.py writes it: credentials left out, JSON types.
@@ -260,7 +304,7 @@ def log_to_wandb(t: Tuning, overrides: Sequence[str]) -> str | None:
         run.log_image("tune/throughput_vs_memory", t.directory / "tune.png")
     best = pick(t.results)
     run.finish(
-        {"pick": best.name if best else None, "pick_samples_per_s": best.samples_per_s if best else None}, hint=False
+        {"pick": best.name if best else None, "pick_tokens_per_s": best.tokens_per_s if best else None}, hint=False
     )
     if mode == "offline":
         return f"{wandb_dir} (offline; upload with `wandb sync {wandb_dir}/*/wandb/offline-run-*`)"

@@ -17,7 +17,8 @@ def result(preset="z0", micro=8, gc=False, precision="fp32", status="fits", rate
         candidate,
         planned=None if planned is None else planned * MiB,
         status=status,
-        samples_per_s=rate,
+        tokens_per_s=rate,  # real tokens/s: what the tuner compares
+        samples_per_s=None if rate is None else rate / 10,
         peak=None if peak is None else peak * MiB,
         **kw,
     )

@@ -20,7 +20,8 @@ def result(preset="z0", micro=8, gc=False, precision="fp32", status="fits", rate
         candidate,
         planned=None if planned is None else planned * MiB,
         status=status,
-        samples_per_s=rate,
+        tokens_per_s=rate,  # real tokens/s: what the tuner compares
+        samples_per_s=None if rate is None else rate / 10,
         peak=None if peak is None else peak * MiB,
         **kw,
     )
@@ -84,6 +85,8 @@ def test_write_outputs_writes_every_file_and_best_yaml_for_the_pick(tuning):
         "accum": 8,
         "checkpointing": False,
         "attention": None,
+        "batching": None,
+        "pack_length": None,
     }
     totals = json.loads((directory / "tuning.json").read_text())
     assert totals["pick"] == "z0-fp32-mb4" and totals["budget_bytes"] == 1000 * MiB and totals["world_size"] == 2
@@ -91,7 +94,7 @@ def test_write_outputs_writes_every_file_and_best_yaml_for_the_pick(tuning):
         directory / "experiment" / "best.yaml"
     ).read_text()
     text = (directory / "tune.md").read_text()
-    assert "**Pick: z0-fp32-mb4**: 10.00 samples/s, peak 600 MiB per rank" in text
+    assert "**Pick: z0-fp32-mb4**: 10 real tokens/s (1.00 samples/s), peak 600 MiB per rank" in text
     assert "best.yaml: verified: it matches" in text and "left out: micro batch 3" in text
     assert "candidates: 3 (1 fits, 1 does not fit, 1 pruned)" in text
     assert "over \\| budget" in text  # a cell's | is escaped
@@ -111,7 +114,11 @@ def test_a_tuning_without_a_pick_says_so_and_writes_no_best_yaml(tuning):
 
 def test_describe_and_the_command_line(tuning):
     fits = tuning.results[0]
-    assert report.describe(fits) == "z0-fp32-mb4: fits: 10.00 samples/s over 4 steps, peak 600 MiB (planned 500) [12 s]"
+    assert report.describe(fits) == (
+        "z0-fp32-mb4: fits: 10 real tokens/s (1.00 samples/s) over 4 steps, peak 600 MiB (planned 500) [12 s]"
+    )
+    fits.padding_frac = 0.125
+    assert "10 real tokens/s (1.00 samples/s, 12.5% padding) over 4 steps" in report.describe(fits)
     assert report.describe(tuning.results[2]) == "z2-fp32-mb8: pruned: (planned 2000) [0 s]; predicted 2500 MiB"
     assert tuning.command_line(fits) == (
         "python train.py model.hidden_size=128 data=llava_json deepspeed=z0 precision=fp32 train.micro_batch_size=4 "
@@ -124,3 +131,13 @@ def test_the_picture_is_a_png(tuning):
     tuning.directory.mkdir(parents=True)
     report.write_plot(tuning, tuning.directory / "tune.png")
     assert (tuning.directory / "tune.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_tables_give_padding_and_mfu_as_shares_and_the_csv_as_fractions(tuning):
+    tuning.results[0].padding_frac, tuning.results[0].mfu = 0.0125, 0.00342
+    report.write_outputs(tuning)
+    row = next(line for line in (tuning.directory / "tune.md").read_text().splitlines() if "| z0-fp32-mb4 |" in line)
+    assert row.startswith("| z0-fp32-mb4 | fits | 10.0 | 1.0 | 1.2% | 0.34% | 600.0 |"), row
+    with (tuning.directory / "tune.csv").open() as handle:
+        first = next(csv.DictReader(handle))
+    assert (float(first["padding_frac"]), float(first["mfu"])) == (0.0125, 0.00342)

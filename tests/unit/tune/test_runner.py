@@ -24,9 +24,26 @@ def test_throughput_leaves_the_warm_up_steps_out():
         {"step": 2, "perf/step_time_s": 1.0, "perf/tokens_per_sec": 300.0},
         {"step": 3, "perf/step_time_s": 3.0, "perf/tokens_per_sec": 100.0},
     ]
-    samples, tokens, steps = runner.measure(records, warmup=1, global_batch=8)
-    assert (samples, tokens, steps) == (pytest.approx(16 / 4), pytest.approx(600 / 4), 2)
+    figures = runner.measure(records, warmup=1, global_batch=8)
+    assert figures[:3] == (pytest.approx(16 / 4), pytest.approx(600 / 4), 2)
+    assert figures.padding_frac is None and figures.mfu is None  # the rows report neither
     assert runner.measure(records[:1], warmup=1, global_batch=8) is None
+
+
+def test_padding_and_mfu_are_weighted_by_the_tokens_and_time_of_each_measured_step():
+    """Step 2: 300 real tokens of 400 computed (25% padding) in 1 s; step 3: 300 of 1200 (75%) in 3 s.
+    Packed rows report their records per second: samples/s is theirs, not the global batch's."""
+    records = [
+        {"step": 1, "perf/step_time_s": 9.0, "perf/tokens_per_sec": 1.0, "perf/padding_frac": 0.9, "perf/mfu": 0.9},
+        {"step": 2, "perf/step_time_s": 1.0, "perf/tokens_per_sec": 300.0, "perf/padding_frac": 0.25,
+         "perf/mfu": 0.2, "perf/samples_per_sec": 20.0},
+        {"step": 3, "perf/step_time_s": 3.0, "perf/tokens_per_sec": 100.0, "perf/padding_frac": 0.75,
+         "perf/mfu": 0.1, "perf/samples_per_sec": 4.0},
+    ]  # fmt: skip
+    figures = runner.measure(records, warmup=1, global_batch=8)
+    assert figures.padding_frac == pytest.approx(1 - 600 / 1600)
+    assert figures.mfu == pytest.approx((0.2 * 1 + 0.1 * 3) / 4)
+    assert figures.samples_per_s == pytest.approx((20 + 12) / 4)
 
 
 def test_the_ranks_are_told_from_their_launchers_and_their_dataloader_workers():
@@ -77,7 +94,7 @@ def _tuning(tmp_path, **kw) -> Tuning:
 def test_the_verdicts_on_a_running_candidate(tmp_path):
     tc = compose_typed(["tune.warmup_steps=1", "tune.measure_steps=2", "tune.candidate_timeout_s=60"]).tune
     t = _tuning(tmp_path)
-    rows = [{"step": s, "perf/step_time_s": 1.0} for s in (1, 2, 3)]
+    rows = [{"step": s, "perf/step_time_s": 1.0, "perf/tokens_per_sec": 8.0} for s in (1, 2, 3)]
     now = time.time()
     over = runner.Watch(rank_peaks={1: 1200 * MiB}, records=rows[:1])
     assert runner._verdict(t, over, rows[:1], now, tc) == (
@@ -89,11 +106,11 @@ def test_the_verdicts_on_a_running_candidate(tmp_path):
     status, note = runner._verdict(t, runner.Watch(records=rows[:1]), [], now - 61, tc)
     assert status == "failed" and "tune.candidate_timeout_s=60 s" in note
     # a measured candidate twice as fast with no more memory than this one has used: dominated
-    faster = Result(Candidate("z0", "fp32", 8, 1, False), status="fits", samples_per_s=16.0, peak=100 * MiB)
+    faster = Result(Candidate("z0", "fp32", 8, 1, False), status="fits", tokens_per_s=16.0, peak=100 * MiB)
     t.results = [faster]
     slow = runner.Watch(rank_peaks={1: 200 * MiB}, records=rows[:2])
     status, note = runner._verdict(t, slow, rows[1:2], now, tc)
-    assert status == "dominated" and note.startswith("z0-fp32-mb8 is faster (16.00 > 8.00 samples/s after 1 steps)")
+    assert status == "dominated" and note.startswith("z0-fp32-mb8 is faster (16 > 8 real tokens/s after 1 steps)")
     no_skip = compose_typed(["tune.warmup_steps=1", "tune.measure_steps=2", "tune.early_skip=false"]).tune
     assert runner._verdict(t, slow, rows[1:2], now, no_skip) is None
 

@@ -72,3 +72,32 @@ def test_the_base_job_loses_what_candidates_set_and_what_only_the_tuner_reads():
 def test_the_default_micro_batch_sizes_are_half_the_jobs_its_own_and_double():
     assert default_micro_batch_sizes(8) == [4, 8, 16]
     assert default_micro_batch_sizes(1) == [1, 2]
+
+
+def test_the_batching_axis_sets_grouping_and_packing_and_names_the_row_length():
+    candidates, _ = search_space(
+        ["z0"], ["fp32"], [2, 4], [False], [None], global_batch=8, world_size=1,
+        batchings=[("pad", None), ("group", None), ("pack", 1024), ("pack", None)],
+    )  # fmt: skip
+    names = [c.name for c in candidates]
+    assert names == [
+        "z0-fp32-mb2-pad", "z0-fp32-mb4-pad", "z0-fp32-mb2-group", "z0-fp32-mb4-group",
+        "z0-fp32-mb2-pack1024", "z0-fp32-mb4-pack1024", "z0-fp32-mb2-pack", "z0-fp32-mb4-pack",
+    ]  # fmt: skip
+    pad, group, pack = candidates[0].overrides(8), candidates[2].overrides(8), candidates[4].overrides(8)
+    assert "data.group_by_length=false" in pad and "data.packing=false" in pad
+    assert "data.group_by_length=true" in group and "data.packing=false" in group
+    assert "data.packing=true" in pack and "data.pack_length=1024" in pack and "data.group_by_length=false" in pack
+    assert not any(o.startswith("data.pack_length") for o in candidates[6].overrides(8))  # the job's own
+    # a group (memory grows with micro batch only) and a checkpointing twin keep the batching apart
+    assert candidates[4].group != candidates[6].group != candidates[0].group
+    assert candidates[4].twin_key != Candidate("z0", "fp32", 2, 4, False, None, "pack", 2048).twin_key
+    # without the axis, a candidate leaves the job's data settings alone
+    assert not any(o.startswith("data.") for o in Candidate("z0", "fp32", 2, 4, False).overrides(8))
+
+
+def test_tuning_batching_drops_the_jobs_own_grouping_and_packing_and_row_length_only_when_tuned():
+    given = ["data.group_by_length=true", "data.packing=false", "data.pack_length=512", "data.max_length=256"]
+    assert base_overrides(given, tunes_attention=False) == given
+    assert base_overrides(given, tunes_attention=False, tunes_batching=True) == given[2:]
+    assert base_overrides(given, tunes_attention=False, tunes_batching=True, tunes_pack_length=True) == given[3:]
