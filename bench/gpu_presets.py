@@ -47,12 +47,10 @@ data-sheet peak); memory, the worker's last MemoryMeter reading (peaks over the 
   the reason; an out-of-memory says so), stopped (budget, deadline or a signal), skipped (not enough time
   left) or not run (the sweep got a signal first).
 
-Model FLOPs (PaLM-style; no recomputation counted): per sample
-    6 * (N_vision * T_vision + N_projector * T_image + N_language * T_text)
-  + 12 * (L_vision * T_vision^2 * d_vision + L_language * T_text^2 * d_language)
-N_* are each component's parameters less its lookup tables (position and token embeddings; the
-language model's output head is a matmul and counts), T_vision = patches + 1 (CLS), T_image = patches,
-T_text = the language model's sequence (image tokens + text tokens).
+Model FLOPs: launcher.model.flops, the count train.py's `perf/mfu` uses (each part on its own rows: the
+vision tower per patch and class token, the projector per image token, the language model per token;
+attention per image and per sample; no recomputation counted; checked against torch.utils.flop_counter
+within 5% in tests/unit/model/test_flops.py).
 
 Files, in --out-dir DIR (default outputs/bench/gpu_presets/<YYYYmmdd-HHMMSS>), written as the sweep goes,
 so a sweep stopped half-way (a check's time limit) still leaves what it measured:
@@ -166,48 +164,30 @@ def sequence_lengths(size: dict[str, Any]) -> dict[str, int]:
 
 
 def parameter_counts(size: dict[str, Any]) -> dict[str, int]:
-    """Parameters per component, and the matmul (non-lookup) parameters the FLOPs formula uses."""
+    """Parameters per component (launcher.model.components) and in all, counted on the meta device."""
     import torch
     from transformers import LlavaForConditionalGeneration
 
+    from launcher.model.components import component_parameter_counts
+
     with torch.device("meta"):
         model = LlavaForConditionalGeneration(llava_config(size))
-
-    def total(module: Any) -> int:
-        return sum(p.numel() for p in module.parameters())
-
-    inner = model.model
-    vision = total(inner.vision_tower)
-    projector = total(inner.multi_modal_projector)
-    language = total(inner.language_model) + total(model.lm_head)
-    tower = getattr(inner.vision_tower, "vision_model", inner.vision_tower)  # CLIPVisionModel's layout varies
-    lookups_vision = tower.embeddings.position_embedding.weight.numel() + tower.embeddings.class_embedding.numel()
-    lookups_language = inner.language_model.embed_tokens.weight.numel()
-    return {
-        "vision": vision,
-        "projector": projector,
-        "language": language,
-        "total": total(model),
-        "vision_matmul": vision - lookups_vision,
-        "projector_matmul": projector,
-        "language_matmul": language - lookups_language,
-    }
+    return {**component_parameter_counts(model), "total": sum(p.numel() for p in model.parameters())}
 
 
-def flops_per_sample(size: dict[str, Any], counts: dict[str, int]) -> float:
-    """Training FLOPs of one sample (forward + backward), the formula in the module docstring."""
+def flops_per_sample(size: dict[str, Any]) -> float:
+    """Training FLOPs of one sample (forward + backward): launcher.model.flops, which train.py's MFU uses,
+    on the model built on the meta device (every part trains, so gradients flow through every part)."""
+    import torch
+    from transformers import LlavaForConditionalGeneration
+
+    from launcher.model.flops import FlopModel, ImageRows
+
+    with torch.device("meta"):
+        flop_model = FlopModel.of(LlavaForConditionalGeneration(llava_config(size)))
     tokens = sequence_lengths(size)
-    vision, language = size["vision"], size["language"]
-    dense = 6 * (
-        counts["vision_matmul"] * tokens["vision"]
-        + counts["projector_matmul"] * tokens["image"]
-        + counts["language_matmul"] * tokens["text"]
-    )
-    attention = 12 * (
-        vision["layers"] * tokens["vision"] ** 2 * vision["hidden"]
-        + language["layers"] * tokens["text"] ** 2 * language["hidden"]
-    )
-    return float(dense + attention)
+    image = ImageRows(vision=tokens["vision"], projector=tokens["image"], patches=tokens["image"])
+    return flop_model.step_flops([tokens["text"]], [image])
 
 
 def matmul_rates(device: str, n: int) -> dict[str, Any]:
@@ -769,7 +749,7 @@ def main() -> None:
 
     size = TINY if args.tiny else FULL
     counts = parameter_counts(size)
-    flops = flops_per_sample(size, counts)
+    flops = flops_per_sample(size)
     tokens = sequence_lengths(size)
     model_line = (
         f"model: LLaVA, vision {counts['vision']:,} + projector {counts['projector']:,} + language "

@@ -9,6 +9,11 @@ from torch import nn
 from launcher.core.errors import LauncherError
 
 
+def base_model(model: nn.Module) -> nn.Module:
+    """The model itself, under a peft wrapper (whose base holds the injected adapters) or not."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def model_components(model: nn.Module) -> dict[str, list[nn.Module]]:
     """The model's vision encoder, projector and language model (decoder + lm_head), as module lists.
 
@@ -83,7 +88,7 @@ def enable_gradient_checkpointing(model: nn.Module, *, language: bool, vision: b
     adapters on a frozen base need no `enable_input_require_grads` hook (transformers adds one for
     the language model; it is removed again). Works on a peft model as on the model it wraps.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     parts = model_components(base)
     enabled = []
     for name, wanted, key in (

@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import nn
 
-from launcher.model.components import model_components
+from launcher.model.components import base_model, model_components
 
 ORDER = ("vision", "projector", "language")  # the order activations flow in
 
@@ -74,8 +74,7 @@ class FlopModel:
 
     @classmethod
     def of(cls, model: nn.Module) -> FlopModel:
-        if hasattr(model, "get_base_model"):  # peft: the adapters sit inside the base model's layers
-            model = model.get_base_model()
+        model = base_model(model)  # peft: the adapters sit inside the base model's layers
         config = model.config
         parts = model_components(model)
         vision_config, text_config = config.vision_config, config.text_config

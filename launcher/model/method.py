@@ -26,7 +26,7 @@ from typing import Any
 from torch import nn
 
 from launcher.core.errors import LauncherError
-from launcher.model.components import component_parameter_counts, model_components
+from launcher.model.components import base_model, component_parameter_counts, model_components
 
 ALL_LINEAR = "all-linear"
 COMPONENTS = ("vision", "projector", "language")
@@ -179,15 +179,12 @@ def check_adapter_targets(model: nn.Module, cfg: Any) -> None:
 
 def parameter_counts(model: nn.Module) -> dict[str, int]:
     """Parameters per component, trainable and total, of a plain or a peft model (adapters included)."""
-    if hasattr(model, "get_base_model"):  # a peft model: its base holds the injected adapters
-        model = model.get_base_model()
-    return component_parameter_counts(model)
+    return component_parameter_counts(base_model(model))
 
 
 def trainable_components(model: nn.Module) -> set[str]:
     """The components (vision, projector, language) holding a trainable parameter (an adapter counts)."""
-    if hasattr(model, "get_base_model"):
-        model = model.get_base_model()
+    model = base_model(model)
     paths = component_paths(model)
     # The projector first: Qwen2-VL's sits inside its vision module. What lies under no component's
     # module (the output head) belongs to the language model.

@@ -22,6 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from launcher.data.packing import REAL_TOKENS, RECORD_IMAGES, RECORD_LENGTHS
+from launcher.model.components import base_model
 
 
 def packed_inputs(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
@@ -66,15 +67,12 @@ def packed_inputs(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
 
 
 def _text_attention(model: nn.Module) -> str:
-    if hasattr(model, "get_base_model"):
-        model = model.get_base_model()
-    return str(model.config.get_text_config()._attn_implementation)
+    return str(base_model(model).config.get_text_config()._attn_implementation)
 
 
 def _rotary_index_function(model: nn.Module) -> Any:
     """Qwen2-VL's get_rope_index (its inner model's), or None for a model with 1-D positions (LLaVA)."""
-    if hasattr(model, "get_base_model"):  # peft
-        model = model.get_base_model()
+    model = base_model(model)
     inner = getattr(model, "model", model)
     return getattr(inner, "get_rope_index", None)
 
@@ -113,8 +111,7 @@ def packed_sdpa_attention(
 def use_packed_attention(model: nn.Module) -> str:
     """Make the language model attend record by record in packed batches (sdpa only: eager keeps the
     block-diagonal mask, flash-attention its own varlen path); returns the implementation it runs."""
-    if hasattr(model, "get_base_model"):
-        model = model.get_base_model()
+    model = base_model(model)
     text = model.config.get_text_config()
     if text._attn_implementation != "sdpa":
         return str(text._attn_implementation)
