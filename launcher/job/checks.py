@@ -119,7 +119,28 @@ def check_model_choices(cfg: Config, device_kind: str, precision: str, *, launch
         config = read_config(model_dir(cfg))
         check_pixel_limits(config, min_pixels=min_pixels, max_pixels=max_pixels, tiny=str(cfg.model.source) == "tiny")
     check_max_length(cfg)
+    if cfg.data.packing and str(cfg.model.source) != "tiny":  # the tiny families keep records apart (tested)
+        check_packing_model(read_config(str(cfg.model.path)))
     return attn
+
+
+def check_packing_model(config: Any) -> None:
+    """Packed records stay apart only where the language model builds its causal mask with transformers'
+    masking utilities, which read restarting position ids as separate sequences (the models marked
+    `_supports_attention_backend`; eager, sdpa and flash-attention-2 alike). Older implementations (ALiBi
+    models such as MPT, Falcon, BLOOM) would let every record attend to the ones before it in its row."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    text = config.get_text_config()
+    name = MODEL_MAPPING_NAMES.get(text.model_type)
+    language_model = getattr(transformers, name, None) if isinstance(name, str) else None
+    if not getattr(language_model, "_supports_attention_backend", False):
+        raise LauncherError(
+            f"data.packing=true with a {text.model_type} language model ({name or 'not in transformers'}), whose "
+            "attention cannot keep packed records apart (it builds no mask from restarting positions): each "
+            "record would attend to the ones before it; use data.group_by_length=true instead"
+        )
 
 
 def check_max_length(cfg: Config) -> None:

@@ -125,3 +125,20 @@ def test_the_launcher_indexes_the_records_its_ranks_will_open_once_before_they_s
         )
     with pytest.raises(LauncherError, match=r"fewer than one global micro-batch \(2 x 4 ranks\)"):
         checks.check_records(_data_job(tmp_path, [good] * 4), micro_batch=2, world_size=4, launching=True)
+
+
+def test_packing_is_refused_for_a_language_model_whose_attention_cannot_keep_records_apart():
+    """Restarting positions keep packed records apart only in models on transformers' masking utilities;
+    an ALiBi model (Falcon, BLOOM, MPT) would let a record attend to the ones before it in its row."""
+    from transformers import LlavaConfig, Qwen2VLConfig
+
+    from launcher.job.checks import check_packing_model
+
+    check_packing_model(LlavaConfig())  # a Llama language model
+    check_packing_model(Qwen2VLConfig())
+    for model_type in ("falcon", "bloom"):
+        with pytest.raises(LauncherError) as refused:
+            check_packing_model(LlavaConfig(text_config={"model_type": model_type}))
+        assert str(refused.value).startswith(f"data.packing=true with a {model_type} language model (")
+        assert "cannot keep packed records apart" in str(refused.value)
+        assert str(refused.value).endswith("use data.group_by_length=true instead")

@@ -93,7 +93,9 @@ def test_a_streamed_job_resumes_mid_block_with_the_losses_of_an_uninterrupted_on
 def test_a_packed_job_resumes_with_the_losses_of_an_uninterrupted_one(train_in_process, tmp_path):
     """data.packing: rows of 8 records (256 tokens of the built-in set's 31-token records), 2 rows per
     micro-batch; stopped after step 1 and resumed, the plan is recomputed and the rows after the saved
-    position train, to the same losses bit for bit. The summary counts records, not rows."""
+    position train, to the same losses and final weights bit for bit. The summary counts records, not
+    rows. (A SIGKILL resumes from the last complete checkpoint through the same load:
+    tests/e2e/test_resume.py.)"""
     packed = (*JOB, "train.max_steps=4", "data.packing=true", "data.pack_length=256", "train.micro_batch_size=2")
     whole = train_in_process(*packed, run_dir=tmp_path / "whole")
     assert whole.outcome.status == "completed", whole.outcome.error
@@ -110,6 +112,8 @@ def test_a_packed_job_resumes_with_the_losses_of_an_uninterrupted_one(train_in_p
     resumed = train_in_process(f"resume={stopped.path}", run_dir=stopped.path)
     assert resumed.outcome.status == "completed", resumed.outcome.error
     assert losses(stopped.path) == losses(whole.run_dir)
+    weights = "model/model.safetensors"
+    assert (stopped.path / weights).read_bytes() == (whole.run_dir / weights).read_bytes()
 
 
 # Every step holds the same 16 records of the built-in set (one epoch); the learning rate large enough
