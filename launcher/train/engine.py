@@ -66,6 +66,7 @@ def build_engine(job: Job, rank: Rank, summary: Summary) -> Engine:
     if fallback and rank.is_main:
         log.warning(fallback)
     engine, _, _, scheduler = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config)
+    start_warm_up_at_step_one(scheduler)
     built = Engine(engine, scheduler, processor, engine_dtype(engine), GradNormSource(engine))
     summary.optimizer = type(getattr(engine, "basic_optimizer", None) or engine.optimizer).__name__
     summary.zero_stage = built.zero_stage
@@ -73,6 +74,20 @@ def build_engine(job: Job, rank: Rank, summary: Summary) -> Engine:
     summary.precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(built.dtype, "fp32")
     summary.params_held_per_rank = params_held_per_rank(engine, rank.device)
     return built
+
+
+def start_warm_up_at_step_one(scheduler: Any) -> None:
+    """Make step k of DeepSpeed's WarmupCosineLR apply its iteration k: lr x k / warm-up steps in the
+    warm-up, then the cosine (the floor reached at the last step).
+
+    As built, it sets the rate of iteration -1 (0) for step 1 and steps to iteration 0 (0 again, in a
+    linear warm-up) for step 2: two updates at rate 0, so a 1- or 2-step run saved its starting weights.
+    Two steps here, before any update; a resume then loads the checkpoint's own iteration over them."""
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+
+    if isinstance(scheduler, WarmupCosineLR):
+        scheduler.step()
+        scheduler.step()
 
 
 def load_model(job: Job, rank: Rank, ds_config: dict[str, Any], summary: Summary) -> tuple[Any, Any]:

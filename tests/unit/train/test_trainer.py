@@ -116,6 +116,24 @@ def test_a_packed_job_resumes_with_the_losses_of_an_uninterrupted_one(train_in_p
     assert (stopped.path / weights).read_bytes() == (whole.run_dir / weights).read_bytes()
 
 
+def test_the_first_update_moves_the_weights_and_each_step_logs_the_rate_it_applied(train_in_process, tmp_path):
+    """Step k of the warm-up applies lr x k / warm-up steps (DeepSpeed's WarmupCosineLR as built gave the
+    first two updates rate 0: a 1-step run saved its starting weights), then the cosine falls to
+    lr x min_lr_ratio; metrics.jsonl logs each step's own rate, not the next one's."""
+    one = train_in_process(*JOB, "train.max_steps=1", "train.save_every=0", run_dir=tmp_path / "one")
+    assert one.outcome.status == "completed", one.outcome.error
+    start = load_file(Path(read_job(one.run_dir).model_path) / "model.safetensors")
+    trained = load_file(one.run_dir / "model" / "model.safetensors")
+    moved = [name for name in start if not torch.equal(start[name], trained[name])]
+    assert moved, "a one-step run saved its starting weights"
+    ran = train_in_process(*JOB, "train.max_steps=6", "train.warmup_steps=3", "train.lr=1e-3",
+                           "train.min_lr_ratio=0.05", "train.save_every=0", run_dir=tmp_path / "six")  # fmt: skip
+    rates = [row["train/lr"] for row in read_metrics(ran.run_dir)]
+    assert rates[:2] == pytest.approx([1e-3 / 3, 2e-3 / 3])
+    assert 1e-3 * 2 / 3 < rates[2] < 1e-3 and rates[2] > rates[3] > rates[4]
+    assert rates[-1] == pytest.approx(1e-3 * 0.05)
+
+
 # Every step holds the same 16 records of the built-in set (one epoch); the learning rate large enough
 # for the weights to move within 4 steps.
 EPOCH_STEPS = (
