@@ -402,10 +402,22 @@ class Config:
 
 def register_configs() -> None:
     """Register the root schema (`conf/config.yaml` lists it first in its defaults) and the resolver that
-    puts a resume in its own run directory (`hydra.run.dir` in conf/config.yaml)."""
+    puts a resume in its own run directory (`hydra.run.dir` in conf/config.yaml), and the one that lets
+    train.epochs replace train.max_steps's default."""
     ConfigStore.instance().store(name="base_config", node=Config)
     if not OmegaConf.has_resolver("run_dir_of"):
         OmegaConf.register_new_resolver("run_dir_of", run_dir_of)
+    if not OmegaConf.has_resolver("steps_unless_epochs"):
+        OmegaConf.register_new_resolver("steps_unless_epochs", steps_unless_epochs)
+
+
+DEFAULT_MAX_STEPS = 1000
+
+
+def steps_unless_epochs(epochs: Any) -> int | None:
+    """train.max_steps's default (conf/train/default.yaml): 1000 steps, or none when train.epochs is given,
+    so `train.epochs=1` alone trains one epoch; a train.max_steps given beside it still wins."""
+    return DEFAULT_MAX_STEPS if epochs is None else None
 
 
 def run_dir_of(resume: str | None, fresh: str) -> str:

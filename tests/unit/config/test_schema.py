@@ -118,7 +118,21 @@ def test_the_train_knobs_have_their_values_in_yaml_only():
     fields = {f.name: f for f in dataclasses.fields(schema.TrainConfig)}
     assert set(values) == set(fields)
     assert all(f.default is MISSING for f in fields.values())
-    assert dict(compose_config([]).train) == values
+    # max_steps: 1000 unless train.epochs is given (schema.steps_unless_epochs)
+    assert values["max_steps"] == "${steps_unless_epochs:${.epochs}}"
+    assert dict(compose_config([]).train) == {**values, "max_steps": schema.DEFAULT_MAX_STEPS}
+
+
+def test_an_explicit_epochs_replaces_the_default_length_and_an_explicit_max_steps_wins_over_it():
+    length = {
+        (): (1000, None),
+        ("train.epochs=1",): (None, 1.0),
+        ("train.epochs=1", "train.max_steps=5"): (5, 1.0),
+        ("train.max_steps=7",): (7, None),
+    }
+    for overrides, expected in length.items():
+        train = typed(compose_config(list(overrides))).train
+        assert (train.max_steps, train.epochs) == expected, overrides
 
 
 # ----------------------------------------------------------------------------- the typed form
