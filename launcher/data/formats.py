@@ -374,8 +374,8 @@ def _typed_messages(raw: dict, where: str) -> tuple[list[dict], list[Any]]:
                         f"{where}: '{IMAGE_PLACEHOLDER}' in a text part; with typed content give each image as an "
                         "image part ({'type': 'image', ...})"
                     )
-                if text.strip():
-                    parts.append({"type": "text", "text": text.strip()})
+                if text.strip():  # an answer as written; a prompt's text without the spaces around it
+                    parts.append({"type": "text", "text": text if role == "assistant" else text.strip()})
             elif kind in ("image", "image_url"):
                 source = _part_image(part)
                 if source is None:
@@ -441,8 +441,8 @@ def _place_images(turns: list[tuple[str, str]], count: int, where: str) -> list[
         for number, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
             if number:
                 content.append({"type": "image"})
-            if piece.strip():
-                content.append({"type": "text", "text": piece.strip()})
+            if piece.strip():  # an answer as written (code keeps its indentation); a prompt's text stripped
+                content.append({"type": "text", "text": piece if role == "assistant" else piece.strip()})
         messages.append({"role": role, "content": content})
     return messages
 
@@ -455,9 +455,14 @@ def _check_conversation(messages: list[dict], where: str, fmt: str) -> None:
         raise BadRecordError(f"{where}: the first assistant turn must follow a user turn")
     if "system" in roles[1:]:
         raise BadRecordError(f"{where}: a system turn may only come first")
-    for message in messages:
+    for number, message in enumerate(messages, start=1):
         if message["role"] != "user" and any(p["type"] == "image" for p in message["content"]):
             raise BadRecordError(f"{where}: images may only be in user turns, not in a {message['role']} turn")
+        if message["role"] == "assistant" and not message["content"]:
+            raise BadRecordError(
+                f"{where}: turn {number} is an empty answer (no text, or only spaces): nothing to learn; "
+                "give the answer or drop the turn"
+            )
 
 
 def record_texts(record: dict) -> list[str]:

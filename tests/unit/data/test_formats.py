@@ -442,3 +442,25 @@ def test_empty_data_sets_are_errors(tmp_path):
         load_records(all_bad, tmp_path, on_bad_record="skip")
     with pytest.raises(LauncherError, match="cannot read the data file"):
         load_records(tmp_path / "absent.json", tmp_path)
+
+
+def test_an_answer_keeps_its_text_as_written_and_an_empty_one_is_a_bad_record(tmp_path):
+    """Code answers keep their indentation and line ends (a prompt's text loses the spaces around it and
+    its image markers); an answer of nothing or of spaces alone is refused, in every format."""
+    code = "    def f():\n        return 1\n"
+    path = write_json(tmp_path / "code.json", [llava(image=None, answer=code)])
+    (record,), _, _ = read(path)
+    assert record["messages"][1]["content"] == [{"type": "text", "text": code}]
+    assert record["messages"][0]["content"] == [{"type": "text", "text": "what is it?"}]
+    typed = {"messages": [{"role": "user", "content": "write f"}, {"role": "assistant", "content": code}]}
+    (record,), _, _ = read(write_json(tmp_path / "messages.json", [typed]))
+    assert record["messages"][1]["content"] == [{"type": "text", "text": code}]
+    empty_typed = {"messages": [typed["messages"][0], {"role": "assistant", "content": ""}]}
+    for number, (bad, good) in enumerate(
+        [(llava(image=None, answer="   \n"), llava(image=None)), (empty_typed, typed)]
+    ):
+        path = write_json(tmp_path / f"empty{number}.json", [bad, good])
+        with pytest.raises(LauncherError, match=r"record 0: turn 2 is an empty answer \(no text, or only spaces\)"):
+            read(path)
+        records, skipped, _ = read(path, on_bad_record="skip")
+        assert (len(records), skipped) == (1, 1)
