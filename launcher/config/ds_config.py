@@ -11,6 +11,7 @@ come from one table (launcher.config.knobs), the batch arithmetic from launcher.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -250,6 +251,11 @@ def check_ds_config(ds: Mapping[str, Any], *, world_size: int, device: Device) -
     for path, value in leaves(ds):
         if isinstance(value, str) and value.lower() == "auto":
             raise LauncherError(f'{path}="auto" would be silently dropped by DeepSpeed: give a value')
+        if isinstance(value, float) and not math.isfinite(value):
+            raise LauncherError(
+                f"{path}={value} is not a finite number (JSON has none: ds_config.json would hold null, and "
+                "DeepSpeed its own default); give a number"
+            )
     _check_batch(ds, world_size)
     _check_precision(ds, device)
     _check_zero(ds.get("zero_optimization") or {})

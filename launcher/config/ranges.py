@@ -114,7 +114,9 @@ TRAIN_RANGES: tuple[Range, ...] = (
     replace(positive("train.max_steps"), optional=True),
     positive("train.lr"),
     positive("train.log_every"),
-    *(not_negative(f"train.{key}") for key in ("weight_decay", "grad_clip", "eval_every", "save_every", "eps")),
+    *(not_negative(f"train.{key}") for key in ("weight_decay", "grad_clip", "eval_every", "save_every")),
+    # Adam divides by sqrt(v) + eps: 0 gives NaN where a gradient's second moment is 0 (a frozen row).
+    Range("train.eps", lambda v: 0 < v < 1, "must lie in (0, 1): Adam divides by sqrt(v) + eps (1e-8 is usual)"),
     *(
         replace(finite(f"train.{key}"), optional=key == "max_steps")
         for key in (
@@ -139,6 +141,12 @@ TUNE_RANGES: tuple[Range, ...] = (
     *(
         Range(f"tune.{key}", lambda v: float(v) > 0, "must be positive")
         for key in ("skip_margin", "loss_tolerance", "low_precision_loss_tolerance", "candidate_timeout_s")
+    ),
+    Range(
+        "tune.micro_batch_sizes",
+        lambda v: len(v) > 0 and all(int(n) >= 1 for n in v),
+        "must list positive micro batch sizes (e.g. [4,8,16]), or be null for half, once and twice the job's",
+        optional=True,
     ),
     Range(
         "tune.pack_lengths",
@@ -228,6 +236,10 @@ def _model_source(cfg: Any) -> None:
         )
 
 
+TINY_LIMITS = {"num_layers": 256, "vision_layers": 256, "hidden_size": 32768, "vision_hidden_size": 32768,
+               "image_size": 4096}  # fmt: skip
+
+
 def _tiny_dimensions(cfg: Any) -> None:
     """A tiny model's dimensions must build: heads of 32, whole patches, Qwen2-VL's 2x2 merge."""
     model = cfg.model
@@ -242,6 +254,14 @@ def _tiny_dimensions(cfg: Any) -> None:
             )
     for key in ("num_layers", "vision_layers", "image_size", "patch_size"):
         _range_rule(at_least(f"model.{key}", 1)).check(cfg)
+    # A model built from code is planned and built in full: past these its planning alone would fill memory.
+    for key, most in TINY_LIMITS.items():
+        value = int(value_of(model, key))
+        if value > most:
+            raise LauncherError(
+                f"model.{key}={value} must be at most {most} for a model built from code (the largest published "
+                "models have ~130 layers and ~16,384 wide): lower it"
+            )
     image, patch = int(model.image_size), int(model.patch_size)
     if image % patch:
         raise LauncherError(f"model.image_size={image} must be a multiple of model.patch_size={patch}")

@@ -248,6 +248,17 @@ def test_auto_strings_never_reach_deepspeed():
         build(cfg)
 
 
+@pytest.mark.parametrize(
+    "override",
+    ["+deepspeed_extra.gradient_clipping=nan", "+deepspeed_extra.zero_optimization.stage3_max_live_parameters=inf"],
+)
+def test_a_value_json_cannot_hold_never_reaches_deepspeed(override):
+    """NaN or infinity would be written as null in ds_config.json and replaced by DeepSpeed's default."""
+    path = override.split("=")[0].removeprefix("+deepspeed_extra.")
+    with pytest.raises(LauncherError, match=rf"{path}=(nan|inf) is not a finite number \(JSON has none"):
+        build(compose_plain(["deepspeed=z3", override]))
+
+
 def test_fractional_bucket_size_is_an_error():
     cfg = compose_plain(["deepspeed=z2", "+deepspeed_extra.zero_optimization.reduce_bucket_size=1000.5"])
     with pytest.raises(LauncherError, match=r"reduce_bucket_size=1000\.5 must be a whole number"):

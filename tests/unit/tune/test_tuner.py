@@ -31,6 +31,7 @@ from tests.helpers import compose_typed, run_here, subprocess_env
         (["tune.skip_margin=-0.1"], 2, "tune.skip_margin=-0.1 must be positive"),
         (["tune.micro_batch_sizes=[5]", "train.micro_batch_size=4", "train.global_batch_size=8"], 2, "no candidate"),
         (["tune.presets=[z9]"], 1, "tune.presets"),
+        (["tune.micro_batch_sizes=[0]"], 2, "tune.micro_batch_sizes=[0] must list positive micro batch sizes"),
         (["tune.pack_lengths=[8]", "tune.batching=[pack]"], 2, "tune.pack_lengths=[8] must list row lengths of 16"),
         (["tune.pack_lengths=[1024]"], 2, "tune.pack_lengths=[1024] without pack in tune.batching"),
         (["tune.batching=[group,pack]"], 2, "tune.batching has pack but no row length: set tune.pack_lengths"),
