@@ -64,9 +64,10 @@ from launcher.data.records import ConversationDataset
 
 log = logging.getLogger("launcher")
 
-# 7: answers kept as written (no longer stripped: code keeps its indentation); 6: 64-bit integer tensors stored in 32 bits (NARROWED); 5: which records it holds in arrays (records.npz,
-# ids.arrow), not in meta.json; 4: images kept encoded
-# (data.cache_images), shards built by every rank; 3: data.max_length in the key
+# 7: answers kept as written (no longer stripped: code keeps its indentation); 6: 64-bit integer tensors
+# stored in 32 bits (NARROWED); 5: which records it holds in arrays (records.npz, ids.arrow), not in
+# meta.json; 4: images kept encoded (data.cache_images), shards built by every rank; 3: data.max_length
+# in the key
 CACHE_VERSION = 7
 META_FILE = "meta.json"
 RECORDS_FILE = "records.npz"
