@@ -274,10 +274,11 @@ def _settle(
         result.padding_frac, result.mfu = figures.padding_frac, figures.mfu
     summary = watcher.run_dir.read_summary() or Summary(status="failed")
     error = outcome.error or summary.error
-    stopped_from_outside = outcome.status in ("interrupted", "preempted") or any(
-        sign in str(error) for sign in ("killed by SIGTERM", "killed by SIGINT", "KeyboardInterrupt")
-    )
-    if stopped_from_outside and not watcher.decided:
+    # Preempted or interrupted: a stop signal reached the job (the tuner's own kills are SIGKILLs, which end
+    # a candidate as failed), even where the watcher had decided the candidate's fate meanwhile.
+    preempted = outcome.status in ("interrupted", "preempted")
+    killed = any(sign in str(error) for sign in ("killed by SIGTERM", "killed by SIGINT", "KeyboardInterrupt"))
+    if preempted or (killed and not watcher.decided):
         raise Interrupted(f"tune: stopped during {result.name}; the results so far are in {t.directory}")
     if watcher.decided:
         result.status, result.note = watcher.decided[0]

@@ -46,8 +46,9 @@ from launcher.config.compose import compose
 from launcher.config.ranges import check_config
 from launcher.config.schema import Config, plain, typed
 from launcher.core import credentials
-from launcher.core.errors import LauncherError, one_line
+from launcher.core.errors import Interrupted, LauncherError, one_line
 from launcher.core.rundir import RunDir
+from launcher.core.signals import STOP_SIGNALS, handling, name
 from launcher.job.checks import check_data
 from launcher.job.planning import plan_job
 from launcher.job.spec import HydraJob, Job
@@ -312,15 +313,22 @@ def log_to_wandb(t: Tuning, overrides: Sequence[str]) -> str | None:
 
 
 # ================================================================================ command line
+def _stopped(signum: int, _frame: object) -> None:
+    raise Interrupted(f"tune: stopped by {name(signum)}; tune.md in the directory named above holds what was measured")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     overrides = list(sys.argv[1:] if argv is None else argv)
     if any(arg in ("-h", "--help") for arg in overrides):
         print(__doc__)
         return 0
     try:
-        t = tune(overrides)
-        write_plot(t, t.directory / "tune.png")  # tune() wrote the tables and best.yaml already
-        wandb_dir = log_to_wandb(t, overrides)
+        # A stop signal between candidates (composing, planning, reporting) ends the tuning in one line; during
+        # a candidate, run_job forwards it to the ranks and the tuner stops once that candidate has stopped.
+        with handling(STOP_SIGNALS, _stopped):
+            t = tune(overrides)
+            write_plot(t, t.directory / "tune.png")  # tune() wrote the tables and best.yaml already
+            wandb_dir = log_to_wandb(t, overrides)
     except (HydraException, OmegaConfBaseException) as err:
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 1

@@ -5,13 +5,16 @@ this process (run_job with its rank as a child process), its rank's output in lo
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
 import yaml
 
+from launcher.core.errors import Interrupted
 from launcher.core.rundir import RunDir
-from launcher.tune import runner
+from launcher.launch.run import Outcome
+from launcher.tune import runner, tuner
 from launcher.tune.decide import MiB, Result
 from launcher.tune.report import Tuning
 from launcher.tune.space import Candidate
@@ -149,3 +152,35 @@ def test_a_candidate_runs_as_train_py_would_its_rank_logging_to_its_log_file(tmp
     assert hydra["hydra"]["runtime"]["choices"] == {"deepspeed": "z0", "precision": "fp32"}
     assert run_dir.config.is_file() and run_dir.job.is_file()
     assert not runner.rank_processes(os.getpid())  # the tuner ended its rank
+
+
+def test_a_candidate_stopped_from_outside_stops_the_tuning_even_after_it_was_measured(tmp_path):
+    """A SIGTERM reaching the tuner while a candidate runs is forwarded to its ranks, which stop as
+    "preempted"; the watcher may have measured the candidate meanwhile, and the tuning still stops (it went
+    on to the next candidate before). The watcher's own kills (SIGKILL) end a candidate as failed."""
+    t = _tuning(tmp_path)
+    tc = compose_typed(["tune.warmup_steps=1", "tune.measure_steps=2"]).tune
+    result = Result(Candidate("z0", "fp32", 8, 1, False))
+    watcher = runner._Watcher(t, RunDir(tmp_path / "run"), tc, time.time())
+    watcher.decided.append(("fits", ""))
+    log = tmp_path / "candidate.log"
+    log.write_text("")
+    preempted = Outcome(tmp_path / "run", "preempted", 143)
+    with pytest.raises(Interrupted, match="tune: stopped during z0-fp32-mb8"):
+        runner._settle(t, result, watcher, preempted, tc, time.time(), log)
+    killed = Outcome(tmp_path / "run", "failed", 1, "rank 0 was killed by SIGKILL")
+    runner._settle(t, result, watcher, killed, tc, time.time(), log)
+    assert result.status == "fits"  # the tuner's own kill of a measured candidate
+
+
+def test_a_stop_signal_while_candidates_are_composed_ends_the_tuning_in_one_line(tmp_path, monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, delivered while the first candidate is planned
+
+    monkeypatch.setattr(tuner, "_planned", interrupted)
+    code = tuner.main(["logger=none", f"tune.dir={tmp_path / 'tune'}", "tune.presets=[z0]", "tune.precisions=[fp32]"])
+    err = capsys.readouterr().err
+    assert code == 143 and "Traceback" not in err, err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        "error: tune: stopped by SIGINT; tune.md in the directory named above holds what was measured"
+    ]
