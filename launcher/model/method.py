@@ -8,7 +8,9 @@
     method.modules_to_save [projector]   trained in full beside the adapters and saved with them
 
 The freeze flags keep their meaning for what is not adapted: `model.freeze_vision=true` keeps the vision
-tower out of the adapters and out of modules_to_save, whatever the method says.
+tower out of the adapters and out of modules_to_save, whatever the method says: a method.target_regex
+adapts only what it matches outside the frozen components (and is refused when that is nothing), and a
+module named in method.modules_to_save that lies in, or holds, a frozen component is refused.
 
 The choices are turned into one regular expression over module names (peft's `target_modules` as a
 string), so the adapter_config.json a run writes names exactly the modules it adapted, and a plain
@@ -82,6 +84,17 @@ def target_regex(model: nn.Module, method: Any, model_cfg: Any) -> str:
             names = [n for n in names if any(n == w or n.endswith("." + w) for w in wanted)]
         pattern = _compact_alternation(names, [name for name, _ in model.named_modules()])
     matched = [name for name, module in model.named_modules() if module is not model and re.fullmatch(pattern, name)]
+    frozen = {c for c in COMPONENTS if getattr(model_cfg, f"freeze_{c}")}
+    if method.target_regex and matched and frozen:  # the freeze wins: no adapter inside a frozen component
+        kept = [name for name in matched if component_of(name, paths) not in frozen]
+        if not kept:
+            flags = ", ".join(f"model.freeze_{c}=true" for c in sorted(frozen))
+            raise LauncherError(
+                f"method.target_regex={method.target_regex!r} matches only modules of frozen components ({flags}): "
+                "nothing would train; widen the regex or unfreeze"
+            )
+        if kept != matched:
+            pattern, matched = _compact_alternation(kept, [name for name, _ in model.named_modules()]), kept
     if not pattern or not matched:
         given = (
             f"method.target_regex={method.target_regex!r}"
@@ -121,13 +134,31 @@ def modules_to_save(model: nn.Module, method: Any, model_cfg: Any) -> list[str]:
             if entry not in frozen:
                 saved.append(paths[entry])
             continue
-        if not any(n == entry or n.endswith("." + entry) for n in names):
+        found = [n for n in names if n == entry or n.endswith("." + entry)]
+        if not found:
             raise LauncherError(
                 f"method.modules_to_save: {entry!r} is no module of {type(model).__name__}; give projector, "
                 "vision, language, or a module name"
             )
+        # Trained in full, a module in (or holding) a frozen component would train it: the freeze wins, and
+        # a name that says otherwise is refused (a component's own name is dropped above, as documented).
+        touched = {c for c in frozen for n in found if paths[c] == n or paths[c].startswith(n + ".")}
+        touched |= {component_of(n, paths) for n in found} & frozen
+        if touched:
+            first = sorted(touched)[0]
+            raise LauncherError(
+                f"method.modules_to_save: {entry!r} would train the frozen {first} in full "
+                f"(model.freeze_{first}=true): drop it, or set model.freeze_{first}=false"
+            )
         saved.append(entry)
     return saved
+
+
+def component_of(name: str, paths: dict[str, str]) -> str | None:
+    """The component a module belongs to: the one whose path is the longest prefix of its name (Qwen2-VL's
+    projector, visual.merger, lies inside its vision module, visual); None for a module outside all."""
+    owners = [c for c, path in paths.items() if name == path or name.startswith(path + ".")]
+    return max(owners, key=lambda c: len(paths[c]), default=None)
 
 
 def lora_config(model: nn.Module, method: Any, model_cfg: Any):

@@ -182,3 +182,33 @@ def test_a_target_regex_that_does_not_compile_is_one_line(llava):
     cfg.method.target_regex = "layers.(0"
     with pytest.raises(LauncherError, match=re.escape("method.target_regex='layers.(0' is not a regular expression")):
         target_regex(llava, cfg.method, cfg.model)
+
+
+@pytest.mark.parametrize("arch", ["tiny_llava", "tiny_qwen2_vl"])
+def test_a_freeze_flag_wins_over_a_target_regex_and_modules_to_save(arch):
+    """model.freeze_vision=true: a regex matching q_proj/v_proj everywhere adapts only the language model's;
+    a regex matching only the vision tower, or modules_to_save naming it or a layer in it, is refused."""
+    frozen = ["method=lora", f"model.arch={arch}", "model.freeze_vision=true"]
+    model = meta_model(compose_typed([f"model.arch={arch}", "method=lora"]))
+    regex = r"method.target_regex='.*\.(q_proj|v_proj|qkv)'"  # quoted: Hydra's grammar reads ( and |
+    loose = compose_typed(["method=lora", f"model.arch={arch}", regex])
+    vision_path = "model.vision_tower" if arch == "tiny_llava" else "model.visual"
+    assert any(n.startswith(vision_path + ".") for n in matched(model, target_regex(model, loose.method, loose.model)))
+    cfg = compose_typed([*frozen, regex])
+    names = matched(model, target_regex(model, cfg.method, cfg.model))
+    assert names and all(n.startswith("model.language_model.") for n in names), names
+    blocks = re.escape(vision_path + ("" if arch == "tiny_llava" else ".blocks"))  # Qwen2-VL's merger: the projector
+    only_vision = compose_typed([*frozen, rf"method.target_regex='{blocks}\..*'"])
+    with pytest.raises(LauncherError, match=r"matches only modules of frozen components \(model.freeze_vision=true\)"):
+        target_regex(model, only_vision.method, only_vision.model)
+    tower = vision_path.rsplit(".", 1)[1]
+    layer = next(n for n, m in model.named_modules() if n.startswith(vision_path + ".") and isinstance(m, nn.Linear))
+    for entry in (tower, layer):
+        cfg = compose_typed([*frozen, f"method.modules_to_save=[{entry}]"])
+        with pytest.raises(LauncherError, match=r"would train the frozen vision in full \(model.freeze_vision=true\)"):
+            modules_to_save(model, cfg.method, cfg.model)
+    # the projector stays trainable beside a frozen tower (Qwen2-VL's merger lies inside model.visual)
+    default = compose_typed(frozen)
+    assert modules_to_save(model, default.method, default.model) == [
+        "model.multi_modal_projector" if arch == "tiny_llava" else "model.visual.merger"
+    ]
