@@ -48,7 +48,8 @@ def redact(obj: Any) -> Any:
     """A copy of a nested config with secret values replaced by "<redacted>".
 
     Secrets are recognised by key (see `is_secret_key`) and by the shape of string values (HF,
-    GitHub, OpenAI-style tokens); override-like strings (``hf_token=abc``) keep only their key."""
+    GitHub, OpenAI-style tokens); override-like strings (``hf_token=abc``, Hydra's comma-joined
+    ``override_dirname``) keep only the keys of their secrets."""
     if isinstance(obj, Mapping):
         return {k: REDACTED if is_secret_key(k) and v is not None else redact(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
@@ -56,19 +57,120 @@ def redact(obj: Any) -> Any:
     if isinstance(obj, str):
         if _SECRET_VALUE.match(obj.strip()):
             return REDACTED
-        # Override-like strings ("hf_token=abc", e.g. in a list of Hydra overrides).
-        return redact_override(obj) if "=" in obj else obj
+        return ",".join(redact_override(part) for part in _overrides_in(obj)) if "=" in obj else obj
     return obj
 
 
 def redact_override(override: str) -> str:
-    """Redact the value of one Hydra override string (``hf_token=abc`` -> ``hf_token=<redacted>``)."""
+    """Redact the value of one Hydra override string (``hf_token=abc`` -> ``hf_token=<redacted>``): a secret
+    key, a credential-shaped value, or a list or sweep value with one among its items (``tags=[hf_...,x]``)."""
     key, sep, value = override.partition("=")
     if not sep:
         return override
-    if is_secret_key(key.lstrip("+~")) or _SECRET_VALUE.match(value.strip()):
+    items = [item.strip(" []()'\"") for item in value.split(",")]
+    if is_secret_key(key.lstrip("+~")) or any(_SECRET_VALUE.match(item) for item in items):
         return f"{key}={REDACTED}"
     return override
+
+
+def _overrides_in(text: str) -> list[str]:
+    """The overrides of a comma-joined string (Hydra's override_dirname "a=1,b=[x,y]"); a part without "="
+    continues the one before it (a sweep's values: "api_key=v1,v2")."""
+    overrides: list[str] = []
+    for part in _top_level_parts(text):
+        if "=" in part or not overrides:
+            overrides.append(part)
+        else:
+            overrides[-1] += "," + part
+    return overrides
+
+
+def _top_level_parts(text: str) -> list[str]:
+    """`text` split at the commas outside brackets and quotes: Hydra's override_dirname ("a=1,b=[x,y]")."""
+    parts, depth, quote, start = [], 0, "", 0
+    for index, char in enumerate(text):
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "[({":
+            depth += 1
+        elif char in "])}":
+            depth = max(0, depth - 1)
+        elif char == "," and depth == 0:
+            parts.append(text[start:index])
+            start = index + 1
+    return [*parts, text[start:]]
+
+
+SECRET_OVERRIDE_ENV_PREFIX = "VLM_LAUNCHER_SECRET_"
+
+
+def secret_override_env(key: str) -> str:
+    """The environment variable a resume reads a credential override's value from (never from a file)."""
+    return SECRET_OVERRIDE_ENV_PREFIX + re.sub(r"[^A-Z0-9]+", "_", key.lstrip("+~").upper()).strip("_")
+
+
+def recorded_override(override: str) -> str:
+    """An override as `.hydra/overrides.yaml` records it: one holding a credential becomes
+    KEY='${oc.decode:${oc.env:VLM_LAUNCHER_SECRET_KEY}}', so a resume composes it again from the environment
+    (`missing_secret_overrides` names the variable when it is not set) and no file holds the value."""
+    if redact_override(override) == override:
+        return override
+    key = override.partition("=")[0]
+    return f"{key}={_from_environment(key)}"
+
+
+def _from_environment(key: str) -> str:
+    # Quoted: Hydra's override grammar takes a nested interpolation only inside quotes; oc.decode parses the
+    # variable's text as the command line would have (a list stays a list).
+    return f"'${{oc.decode:${{oc.env:{secret_override_env(key)}}}}}'"
+
+
+def missing_secret_overrides(overrides: list[str]) -> list[tuple[str, str]]:
+    """(key, variable) of each recorded credential override whose variable the environment lacks."""
+    missing = []
+    for override in overrides:
+        key, _, value = override.partition("=")
+        variable = secret_override_env(key)
+        if value == _from_environment(key) and variable not in os.environ:
+            missing.append((key.lstrip("+~"), variable))
+    return missing
+
+
+def redact_text(line: str) -> str:
+    """A line of text (a log message, a command line) with every override-like word's secret value and
+    every credential-shaped word redacted: Hydra's sweep lines ("#0 : a=1 +x.api_key=sk-..."), a tuner's
+    command line."""
+    words = line.split(" ")
+    for index, word in enumerate(words):
+        if "=" in word:
+            words[index] = redact_override(word)
+        elif _SECRET_VALUE.match(word.strip("[]'\",")):
+            words[index] = REDACTED
+    return " ".join(words)
+
+
+def scrub_file(path: Any) -> None:
+    """Rewrite a YAML file another program wrote (Hydra's multirun.yaml) with its credentials redacted, in
+    place (atomically, mode 0600); nothing happens when it holds none or does not exist."""
+    from pathlib import Path
+
+    import yaml
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return
+    public = redact(data)
+    if public == data:
+        return
+    temporary = path.with_name(f".{path.name}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        yaml.safe_dump(public, handle, sort_keys=False)
+    os.replace(temporary, path)
 
 
 def split(tree: Any, prefix: str = "") -> tuple[Any, dict[str, Any]]:

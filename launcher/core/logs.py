@@ -29,6 +29,8 @@ import logging
 import re
 from pathlib import Path
 
+from launcher.core.credentials import redact_text
+
 # A launcher record carrying this `extra` goes to train.log only (a detail, e.g. a cache reused).
 FILE_ONLY = {"terminal": False}
 
@@ -57,6 +59,10 @@ class TerminalFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "terminal", True) is False or is_noise(record):
             return False
+        if record.name.split(".")[0] in ("hydra", "hydra_plugins"):  # a sweep's "#0 : a=1 +x.api_key=..."
+            message = record.getMessage()
+            if (public := redact_text(message)) != message:
+                record.msg, record.args = public, None
         return record.levelno >= logging.WARNING or record.name.split(".")[0] in _SHOWN
 
 

@@ -31,6 +31,7 @@ from omegaconf import DictConfig, open_dict
 
 from launcher.config.compose import compose, without_hydra
 from launcher.config.schema import Config, plain
+from launcher.core import credentials
 from launcher.core.checkpoints import (
     CheckpointMarker,
     complete_tags,
@@ -85,6 +86,13 @@ def continued(cfg: DictConfig, hydra: HydraJob) -> Continued | None:
         return None
     new = [arg for arg in hydra.overrides if override_key(arg) != "hydra.run.dir"]
     task = replaced(run_dir.read_overrides(), new)
+    missing = credentials.missing_secret_overrides(task)
+    if missing:
+        key, variable = missing[0]
+        raise LauncherError(
+            f"resume={value}: the run was started with a credential in {key}, which no file of the run holds: "
+            f"set {variable} to it (or give {key}=... again) and resume"
+        )
     composed = _compose_in(run_dir, task)
     kept = _kept_global_batch(run_dir, composed.cfg, new)
     if kept is None:

@@ -108,6 +108,8 @@ def run_job(
     (launcher.launch.ranks.start_ranks); a test may train its one rank in its own process instead."""
     logs.route_library_logs()  # before deepspeed is imported (planning imports it)
     logs.quiet_transformers()  # building a tiny model saves it here
+    if hydra.multirun and hydra.node is not None:  # Hydra wrote the sweep's command line, secrets included
+        credentials.scrub_file(Path(hydra.node.sweep.dir) / "multirun.yaml")
     run_dir = RunDir(hydra.run_dir)
     config_dist = cfg.dist
     if slurm.global_rank(config_dist) not in (None, 0):
@@ -253,7 +255,7 @@ def _write_hydra_files(run_dir: RunDir, cfg: DictConfig, hydra: HydraJob, *, nod
     run_dir.write_hydra_files(
         credentials.redact(config),
         credentials.redact(hydra_node),
-        [credentials.redact_override(str(item)) for item in hydra.overrides],
+        [credentials.recorded_override(str(item)) for item in hydra.overrides],
     )
 
 

@@ -195,7 +195,7 @@ class WandbRun:
             "entity": entity or None,
             "group": group,
             "name": name,
-            "tags": list(tags),
+            "tags": [str(tag) for tag in redact(list(tags))],  # a token given as a tag stays out of W&B
             "job_type": "train",
         }
         try:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.config.compose import CONF_DIR
+from launcher.core.credentials import recorded_override, redact_override
 from launcher.core.json_files import write_text_atomic
 from launcher.tune.decide import STATUS_ORDER, MiB, Result, ordered, pareto_front, pick, planner_lines
 
@@ -120,7 +121,9 @@ class Tuning:
     space_line: str = ""  # what the space holds, as the tuner announces it
 
     def command_line(self, result: Result) -> str:
-        return " ".join(["python train.py", *self.base, *result.candidate.overrides(self.global_batch)])
+        """The pick's command line as printed and written (tune.md): a credential's value redacted."""
+        words = [*self.base, *result.candidate.overrides(self.global_batch)]
+        return " ".join(["python train.py", *(redact_override(word) for word in words)])
 
 
 def report(t: Tuning) -> str:
@@ -128,11 +131,11 @@ def report(t: Tuning) -> str:
     best = pick(t.results)
     counts = {status: sum(r.status == status for r in t.results) for status in STATUS_ORDER}
     rows = table_rows(t.results, t.global_batch)
+    job = " ".join(redact_override(override) for override in t.base)  # a credential's value left out
     lines = [
         "# Autotuning",
         "",
-        f"job: `python train.py {' '.join(t.base) or '(the defaults)'}`; {t.world_size} rank(s), global batch "
-        f"{t.global_batch}",
+        f"job: `python train.py {job or '(the defaults)'}`; {t.world_size} rank(s), global batch {t.global_batch}",
         f"budget: {t.budget / MiB:.0f} MiB per rank ({t.budget_source})",
         f"candidates: {len(t.results)} ("
         + ", ".join(f"{n} {status}" for status, n in counts.items() if n)
@@ -191,7 +194,8 @@ def best_yaml(t: Tuning, result: Result) -> str:
     """An experiment file that reproduces the pick: the job's overrides and the candidate's."""
     groups = {path.name for path in CONF_DIR.iterdir() if path.is_dir()}  # model, deepspeed, data, ...
     group_choices, values = [], {}
-    for override in [*t.base, *result.candidate.overrides(t.global_batch)]:
+    # A credential is read from the environment (launcher.core.credentials.recorded_override names the variable).
+    for override in [*map(recorded_override, t.base), *result.candidate.overrides(t.global_batch)]:
         key, _, value = override.partition("=")
         plain_key = key.lstrip("+")
         if plain_key in groups:  # model=..., deepspeed=...: a choice in the defaults list

@@ -68,10 +68,18 @@ def test_a_sweep_in_parallel_processes_ends_with_its_comparison_and_comparable_w
 
 
 def test_an_invalid_job_fails_and_the_sweep_goes_on(run_train, tmp_path):
+    """... and a credential given to the sweep reaches neither its output (Hydra's "#0 : ..." lines) nor
+    any file (Hydra's multirun.yaml, each job's .hydra/)."""
     sweep_dir = tmp_path / "sweep"
+    secret = "sk-" + "s" * 30
+    comet = ["+deepspeed_extra.comet.enabled=false", f"+deepspeed_extra.comet.api_key={secret}"]
     result = run_train(
-        "-m", "offload=none,param", "zero=stage2", "logger=none", *SHORT, f"hydra.sweep.dir={sweep_dir}", timeout=900
-    )
+        "-m", "offload=none,param", "zero=stage2", "logger=none", *SHORT, *comet, f"hydra.sweep.dir={sweep_dir}",
+        timeout=900,
+    )  # fmt: skip
+    assert secret not in result.stdout + result.stderr and "comet.api_key=<redacted>" in result.stdout
+    leaks = [p for p in sweep_dir.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert not leaks and (sweep_dir / "multirun.yaml").is_file()
     assert result.returncode == 1  # launcher.compare.sweep.failed_sweep_line, asked once Hydra is done
     assert "Traceback" not in result.stderr
     ok = read(sweep_dir / "0" / "summary.json")

@@ -117,6 +117,7 @@ def test_credentials_reach_no_file_a_run_writes(train_in_process, tmp_path, monk
         "logger=wandb",
         "+deepspeed_extra.comet.enabled=false",
         f"+deepspeed_extra.comet.api_key={comet_key}",
+        f"logger.tags=[{hf_token},mine]",  # a token inside a list: W&B's tags, job.json, .hydra/
     ]
     cfg, node = without_hydra(compose([*task, f"+hydra.job.env_set.HF_TOKEN={hf_token}"], with_hydra=True))
     hydra = HydraJob(
@@ -138,3 +139,72 @@ def test_credentials_reach_no_file_a_run_writes(train_in_process, tmp_path, monk
     ds_config = json.loads((run_dir / "ds_config.json").read_text())
     assert ds_config["comet"]["api_key"] == REDACTED
     assert "env_set" in (run_dir / ".hydra" / "hydra.yaml").read_text()  # Hydra's node was written, redacted
+
+
+@pytest.mark.parametrize(
+    ("given", "public"),
+    [
+        ("logger.tags=[hf_" + "a" * 24 + ",x]", "logger.tags=<redacted>"),
+        (
+            "+deepspeed_extra.comet.api_key=sk-" + "a" * 24 + ",sk-" + "b" * 24,
+            "+deepspeed_extra.comet.api_key=<redacted>",
+        ),
+        ("api_key=abc,def", "api_key=<redacted>"),  # a sweep of a secret key's values
+        ("a=1,tags=[x,hf_" + "c" * 24 + "],b=[1,2]", "a=1,tags=<redacted>,b=[1,2]"),  # Hydra's override_dirname
+        ("a=1,b=[1,2]", "a=1,b=[1,2]"),
+    ],
+)
+def test_override_strings_lose_the_credentials_in_lists_sweeps_and_joined_forms(given, public):
+    assert redact(given) == public
+
+
+def test_a_log_line_loses_its_credentials_word_by_word():
+    line = "\t#0 : lr=1 +x.api_key=sk-" + "a" * 24 + " logger.tags=[hf_" + "b" * 24 + ",y] ghp_" + "c" * 24
+    assert credentials.redact_text(line) == "\t#0 : lr=1 +x.api_key=<redacted> logger.tags=<redacted> <redacted>"
+
+
+def test_a_credential_override_is_recorded_as_the_environment_variable_a_resume_reads(monkeypatch):
+    recorded = credentials.recorded_override("+deepspeed_extra.comet.api_key=sk-" + "a" * 24)
+    variable = "VLM_LAUNCHER_SECRET_DEEPSPEED_EXTRA_COMET_API_KEY"
+    assert recorded == f"+deepspeed_extra.comet.api_key='${{oc.decode:${{oc.env:{variable}}}}}'"
+    assert credentials.recorded_override("train.lr=0.1") == "train.lr=0.1"
+    monkeypatch.delenv(variable, raising=False)
+    assert credentials.missing_secret_overrides([recorded, "train.lr=0.1"]) == [
+        ("deepspeed_extra.comet.api_key", variable)
+    ]
+    monkeypatch.setenv(variable, "sk-" + "a" * 24)
+    assert credentials.missing_secret_overrides([recorded]) == []
+    assert compose([recorded]).deepspeed_extra.comet.api_key == "sk-" + "a" * 24  # composes as given
+
+
+def test_a_yaml_file_another_program_wrote_is_scrubbed_in_place(tmp_path):
+    path = tmp_path / "multirun.yaml"
+    task = "    task:\n    - api_key=abc,def\n    - lr=1\n"
+    path.write_text(f"hydra:\n  overrides:\n{task}  job:\n    override_dirname: api_key=abc,lr=1\n")
+    credentials.scrub_file(path)
+    text = path.read_text()
+    assert "abc" not in text and "def" not in text and "lr=1" in text and (path.stat().st_mode & 0o777) == 0o600
+    credentials.scrub_file(tmp_path / "absent.yaml")  # nothing to do
+
+
+def test_a_run_started_with_a_credential_resumes_with_it_from_the_environment(train_in_process, tmp_path, monkeypatch):
+    """No file holds the credential, so a resume reads it from the variable `.hydra/overrides.yaml` names,
+    and says which one when it is not set (it used to fail in Hydra's parser on "<redacted>")."""
+    key, variable = "sk-" + "k" * 30, "VLM_LAUNCHER_SECRET_DEEPSPEED_EXTRA_COMET_API_KEY"
+    monkeypatch.delenv(variable, raising=False)
+    run_dir = tmp_path / "run"
+    job = ["train.max_steps=2", "train.save_every=1", "train.micro_batch_size=4", "train.eval_every=0",
+           "data.eval_accuracy=false", "logger=none", "+deepspeed_extra.comet.enabled=false",
+           f"+deepspeed_extra.comet.api_key={key}"]  # fmt: skip
+    assert train_in_process(*job, run_dir=run_dir).outcome.status == "completed"
+    assert variable in (run_dir / ".hydra" / "overrides.yaml").read_text()
+    refused = train_in_process(f"resume={run_dir}", "train.max_steps=3", run_dir=run_dir).outcome
+    assert refused.exit_code == 2 and refused.error == (
+        f"resume={run_dir}: the run was started with a credential in deepspeed_extra.comet.api_key, which no file "
+        f"of the run holds: set {variable} to it (or give deepspeed_extra.comet.api_key=... again) and resume"
+    )
+    monkeypatch.setenv(variable, key)
+    resumed = train_in_process(f"resume={run_dir}", "train.max_steps=3", run_dir=run_dir).outcome
+    assert resumed.status == "completed" and resumed.summary.steps == 3, resumed.error
+    for path in (p for p in run_dir.rglob("*") if p.is_file()):
+        assert key.encode() not in path.read_bytes(), path

@@ -7,6 +7,7 @@ import csv
 import json
 
 import pytest
+import yaml
 
 from launcher.tune import report
 from launcher.tune.decide import MiB, Result
@@ -141,3 +142,18 @@ def test_the_tables_give_padding_and_mfu_as_shares_and_the_csv_as_fractions(tuni
     with (tuning.directory / "tune.csv").open() as handle:
         first = next(csv.DictReader(handle))
     assert (float(first["padding_frac"]), float(first["mfu"])) == (0.0125, 0.00342)
+
+
+def test_a_credential_in_the_job_reaches_neither_tune_md_nor_best_yaml(tuning):
+    """tune.md shows it redacted; best.yaml reads it from the environment variable a resume would
+    (launcher.core.credentials.recorded_override), so the experiment still runs it."""
+    secret = "sk-" + "t" * 30
+    tuning.base = [*tuning.base, f"+deepspeed_extra.comet.api_key={secret}"]
+    report.write_outputs(tuning)
+    for path in tuning.directory.rglob("*"):
+        if path.is_file():
+            assert secret not in path.read_text(errors="replace"), path
+    assert "+deepspeed_extra.comet.api_key=<redacted>" in (tuning.directory / "tune.md").read_text()
+    best = yaml.safe_load((tuning.directory / "experiment" / "best.yaml").read_text())
+    variable = "VLM_LAUNCHER_SECRET_DEEPSPEED_EXTRA_COMET_API_KEY"
+    assert best["deepspeed_extra"]["comet"]["api_key"] == f"${{oc.decode:${{oc.env:{variable}}}}}"
