@@ -37,6 +37,12 @@ import yaml
 from launcher.core.json_files import finite, read_json, write_json_atomic, write_text_atomic
 from launcher.core.summary import Summary
 
+# Every entry a run writes in its directory (the module docstring), W&B's and Hydra's included.
+RUN_ENTRIES = (
+    *(".hydra", "ds_config.json", "job.json", "metrics.jsonl", "summary.json", "train.log", "checkpoints", "errors"),
+    *("skipped_records.jsonl", "model", "stop_requested", "wandb_run_id", "wandb", ".lock", "export", "export-merged"),
+)
+
 # Run directories this process owns: path of the lock file -> its open descriptor.
 _claimed: dict[str, int] = {}
 
@@ -84,6 +90,18 @@ class RunDir:
     @property
     def job(self) -> Path:
         return self.path / JOB_FILE
+
+    def foreign_entries(self) -> list[str]:
+        """The entries of this directory that no run writes (a user's notes, their own model/ without a
+        run's metrics), sorted; [] for a directory that does not exist, is empty, or holds a run's files."""
+        try:
+            names = sorted(entry.name for entry in self.path.iterdir())
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        ours = set(RUN_ENTRIES)
+        if not self.metrics.exists():
+            ours -= {"model"}  # a run writes model/ at its end, after its metrics: this one is not a run's
+        return [name for name in names if name not in ours and not name.startswith(".write-probe-")]
 
     def is_run(self) -> bool:
         """Whether a job was started here (its command line is recorded)."""

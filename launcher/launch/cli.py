@@ -37,6 +37,13 @@ def refused_run_dir(argv: Sequence[str]) -> str | None:
     if multirun or not value or value != fixed:
         return None
     run_dir = RunDir(Path(value).expanduser())
+    if resume in (None, "null", "") and _owns_run_dir(argv) and (foreign := run_dir.foreign_entries()):
+        # A new job writes model/, summary.json, ... there: what it did not write would be replaced or mixed in.
+        return (
+            f"hydra.run.dir={value} holds what no run of this launcher wrote ({', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}): a new run would write model/ and summary.json beside or over "
+            "it; choose a new or empty directory"
+        )
     if _owns_run_dir(argv) and (refused := _claimed(run_dir, key)):
         return refused
     if resume in (None, "null", ""):

@@ -115,3 +115,29 @@ def test_deepspeeds_local_rank_argument_is_taken_out_of_hydras_arguments(given, 
     argv = ["train.py", *given]
     assert local_rank_dropped(argv) == value
     assert argv == ["train.py", *kept]  # in place: what Hydra parses next
+
+
+def test_a_new_job_in_a_directory_holding_what_no_run_wrote_is_refused_and_leaves_it_untouched(tmp_path):
+    """A folder with a user's model/ and notes (e.g. also given as model.path) as hydra.run.dir: a run would
+    replace model/ at its end and write its summary.json over theirs. An empty folder, or one a refused job
+    left (.hydra/, summary.json, train.log), is fine; resume= is not checked (it continues a run)."""
+    folder = tmp_path / "mine"
+    (folder / "model").mkdir(parents=True)
+    (folder / "model" / "NOTES.txt").write_text("my notes")
+    (folder / "summary.json").write_text('{"mine": true}')
+    before = _files(folder)
+    line = refused_run_dir(["train.py", "logger=none", f"hydra.run.dir={folder}"])
+    assert line == (
+        f"hydra.run.dir={folder} holds what no run of this launcher wrote (model): a new run would write model/ "
+        "and summary.json beside or over it; choose a new or empty directory"
+    )
+    assert _files(folder) == before and not (folder / ".lock").exists()
+    (folder / "NOTES.txt").write_text("x")
+    assert "(NOTES.txt, model)" in refused_run_dir(["train.py", f"hydra.run.dir={folder}"])
+    refused_before = tmp_path / "refused"
+    (refused_before / ".hydra").mkdir(parents=True)
+    (refused_before / "summary.json").write_text('{"status": "failed"}')
+    (refused_before / "train.log").write_text("error: ...")
+    assert refused_run_dir(["train.py", f"hydra.run.dir={refused_before}"]) is None
+    (tmp_path / "empty").mkdir()
+    assert refused_run_dir(["train.py", f"hydra.run.dir={tmp_path / 'empty'}"]) is None
