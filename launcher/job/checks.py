@@ -437,3 +437,21 @@ def validate_with_deepspeed(ds: dict[str, Any]) -> None:
         raise LauncherError(f"DeepSpeed rejects {key}: {first['msg']}") from None
     except (AssertionError, ValueError, KeyError, TypeError) as err:
         raise LauncherError(f"DeepSpeed rejects the config: {err}") from None
+    check_monitor_packages(ds)
+
+
+# DeepSpeed's monitors and the package each imports on the ranks once the model has loaded.
+MONITOR_PACKAGES = {"comet": "comet_ml", "tensorboard": "tensorboard", "wandb": "wandb"}
+
+
+def check_monitor_packages(ds: dict[str, Any]) -> None:
+    """An enabled DeepSpeed monitor whose package is not installed: refused here, not by every rank after
+    the model has loaded."""
+    import importlib.util
+
+    for block, package in MONITOR_PACKAGES.items():
+        if (ds.get(block) or {}).get("enabled") and importlib.util.find_spec(package) is None:
+            raise LauncherError(
+                f"DeepSpeed's {block} monitor is enabled ({block}.enabled=true) but the {package} package is not "
+                f"installed: pip install {package.replace('_', '-')}, or set {block}.enabled=false"
+            )

@@ -142,3 +142,14 @@ def test_packing_is_refused_for_a_language_model_whose_attention_cannot_keep_rec
         assert str(refused.value).startswith(f"data.packing=true with a {model_type} language model (")
         assert "cannot keep packed records apart" in str(refused.value)
         assert str(refused.value).endswith("use data.group_by_length=true instead")
+
+
+def test_a_deepspeed_monitor_without_its_package_is_refused_before_any_rank_starts():
+    import importlib.util
+
+    from launcher.job.checks import check_monitor_packages
+
+    check_monitor_packages({"comet": {"enabled": False}, "wandb": {"enabled": True}})  # wandb is installed
+    if importlib.util.find_spec("comet_ml") is None:
+        with pytest.raises(LauncherError, match=r"comet monitor is enabled .* the comet_ml package is not installed"):
+            check_monitor_packages({"comet": {"enabled": True}})
