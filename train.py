@@ -18,7 +18,7 @@ import hydra
 from omegaconf import DictConfig
 
 from launcher.config.schema import register_configs
-from launcher.launch.cli import local_rank_dropped, refused_run_dir
+from launcher.launch.cli import composition_refused, local_rank_dropped, refused_run_dir
 
 register_configs()
 
@@ -40,6 +40,9 @@ def main(cfg: DictConfig) -> float | None:
 if __name__ == "__main__":
     if (local_rank := local_rank_dropped(sys.argv)) is not None:  # run by DeepSpeed's launcher itself
         os.environ.setdefault("LOCAL_RANK", local_rank)
+    if (refused := composition_refused(sys.argv)) is not None:  # one line, where Hydra would print a dump
+        print(f"error: {refused}", file=sys.stderr)
+        sys.exit(1)
     if (refused := refused_run_dir(sys.argv)) is not None:
         print(f"error: {refused}", file=sys.stderr)
         sys.exit(2)

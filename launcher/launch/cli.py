@@ -58,6 +58,23 @@ def refused_run_dir(argv: Sequence[str]) -> str | None:
     return None
 
 
+def composition_refused(argv: Sequence[str]) -> str | None:
+    """The one line of a command line that does not compose (a misspelt key, a mixture source with an unknown
+    key or a value of the wrong type), or None; Hydra itself would print a multi-line dump ("full_key: ...,
+    object_type=SourceConfig"). Only a single job's command line is composed here (a sweep's jobs differ),
+    and not under HYDRA_FULL_ERROR=1, where Hydra's own report with its traceback is what was asked for."""
+    if not runs_a_job(argv) or is_multirun(argv) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        return None
+    from launcher.config.compose import ConfigNotComposed, compose_typed
+
+    overrides = [arg for arg in argv[1:] if not arg.startswith("-")]
+    try:
+        compose_typed(overrides)
+    except ConfigNotComposed as err:
+        return str(err)
+    return None
+
+
 def _claimed(run_dir: RunDir, key: str) -> str | None:
     problem = run_dir.claim()
     return (
