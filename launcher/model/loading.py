@@ -218,6 +218,13 @@ def read_config(path_or_hub_id: str):
     """A model's config: a local directory's, a shipped preset's, or the hub's (one line when it cannot)."""
     local = Path(path_or_hub_id).expanduser()
     source = shipped_config_dir(path_or_hub_id) or local
+    if (local / "adapter_config.json").is_file() and not (local / "config.json").is_file():
+        # A LoRA run's model/ (peft's adapter directory): transformers would say "Unrecognized model".
+        run_dir = local.parent if local.name == "model" else local
+        raise LauncherError(
+            f"model.path={path_or_hub_id} is a LoRA adapter (adapter_config.json), not a model: fold it into its "
+            f"base first (python -m launcher.export {run_dir} --merge) and give the merged folder"
+        )
     if not source.exists() and not is_hub_id(path_or_hub_id):
         raise LauncherError(
             f"model.path={path_or_hub_id}: cannot read its config: not found locally and could not be fetched "

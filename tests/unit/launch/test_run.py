@@ -294,6 +294,12 @@ CASES = [
         ("model=llava_1_5_7b", "model.path={models}/no_weights"),
         "model.path={models}/no_weights has a config but no weights",
     ),
+    Case(
+        "model-is-a-lora-adapter",
+        ("model=llava_1_5_7b", "model.path={models}/lora_run/model"),
+        "model.path={models}/lora_run/model is a LoRA adapter (adapter_config.json), not a model: fold it into its "
+        "base first (python -m launcher.export {models}/lora_run --merge)",
+    ),
     # ------------------------------------------------------------------ knobs that reach DeepSpeed
     Case("lr-infinite", ("train.lr=inf",), "train.lr=inf must be a finite number"),
     Case("betas-out-of-range", ("train.betas=[0.9,1.0]",), "train.betas=[0.9, 1.0] must be two numbers in [0, 1)"),
@@ -599,6 +605,11 @@ def models_dir(tmp_path_factory) -> Path:
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1
     )
     LlamaForCausalLM(text_config).save_pretrained(root / "text_only")
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    base = AutoModelForImageTextToText.from_pretrained(good)  # a LoRA run's model/: peft's adapter directory
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(root / "lora_run" / "model")
     return root
 
 
