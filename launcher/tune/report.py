@@ -119,6 +119,8 @@ class Tuning:
     device_kind: str = "cpu"
     cpu_s: float | None = None  # the tuner's own CPU time and its candidates' ranks'
     space_line: str = ""  # what the space holds, as the tuner announces it
+    # The job's own overrides of what candidates leave out but its best.yaml keeps (logger=, preflight=).
+    best_extra: list[str] = field(default_factory=list)
 
     def command_line(self, result: Result) -> str:
         """The pick's command line as printed and written (tune.md): a credential's value redacted."""
@@ -195,7 +197,7 @@ def best_yaml(t: Tuning, result: Result) -> str:
     groups = {path.name for path in CONF_DIR.iterdir() if path.is_dir()}  # model, deepspeed, data, ...
     group_choices, values = [], {}
     # A credential is read from the environment (launcher.core.credentials.recorded_override names the variable).
-    for override in [*map(recorded_override, t.base), *result.candidate.overrides(t.global_batch)]:
+    for override in [*map(recorded_override, [*t.base, *t.best_extra]), *result.candidate.overrides(t.global_batch)]:
         key, _, value = override.partition("=")
         plain_key = key.lstrip("+")
         if plain_key in groups:  # model=..., deepspeed=...: a choice in the defaults list

@@ -47,6 +47,7 @@ from launcher.config.ranges import check_config
 from launcher.config.schema import Config, plain, typed
 from launcher.core import credentials
 from launcher.core.errors import Interrupted, LauncherError, one_line
+from launcher.core.overrides import override_key
 from launcher.core.rundir import RunDir
 from launcher.core.signals import STOP_SIGNALS, handling, name
 from launcher.job.checks import check_data
@@ -172,6 +173,8 @@ def _tuning(cfg: Config, overrides: Sequence[str]) -> Tuning:
         directory, base, global_batch, world_size, budget, source, left_out=left_out, device_kind=job.device.kind
     )
     t.results = [_planned(base, candidate, global_batch, target) for candidate in candidates]
+    # Candidates run without W&B and preflight; the pick's best.yaml runs the job as the user gave it.
+    t.best_extra = [o for o in overrides if override_key(o).split(".")[0] in ("logger", "preflight")]
     t.space_line = (
         f"tune: {len(candidates)} candidates ({len(presets)} presets x {len(precisions)} precisions x "
         f"{len({c.micro for c in candidates})} micro batch sizes x {len(checkpointing)} checkpointing"

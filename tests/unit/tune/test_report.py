@@ -157,3 +157,12 @@ def test_a_credential_in_the_job_reaches_neither_tune_md_nor_best_yaml(tuning):
     best = yaml.safe_load((tuning.directory / "experiment" / "best.yaml").read_text())
     variable = "VLM_LAUNCHER_SECRET_DEEPSPEED_EXTRA_COMET_API_KEY"
     assert best["deepspeed_extra"]["comet"]["api_key"] == f"${{oc.decode:${{oc.env:{variable}}}}}"
+
+
+def test_best_yaml_keeps_the_jobs_logger_and_preflight_which_candidates_leave_out(tuning):
+    """Candidates run with logger=none and preflight=off; the pick runs the job as given (issue 28: the
+    user's logger=none was dropped, so `experiment=best` logged to W&B)."""
+    tuning.best_extra = ["logger=none", "preflight=error"]
+    report.write_outputs(tuning)
+    text = (tuning.directory / "experiment" / "best.yaml").read_text()
+    assert "  - override /logger: none" in text and yaml.safe_load(text)["preflight"] == "error"
