@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import sys
 import time
 import traceback
@@ -37,7 +36,7 @@ from launcher.core.errors import Interrupted, LauncherError, one_line
 from launcher.core.json_files import write_json_atomic
 from launcher.core.rank_errors import record_rank_error
 from launcher.core.rundir import RunDir
-from launcher.core.signals import handling, name
+from launcher.core.signals import STOP_SIGNALS, handling, name
 from launcher.core.summary import Summary
 from launcher.job import resume
 from launcher.job.checks import check_inputs
@@ -119,7 +118,7 @@ def run_job(
                        "choose another directory")  # fmt: skip
     attempt = _Attempt(cfg, hydra, run_dir, say)
     try:
-        with handling((signal.SIGTERM, signal.SIGINT), _interrupt):
+        with handling(STOP_SIGNALS, _interrupt):
             job, secret_env = attempt.plan()
     except LauncherError as err:
         return attempt.failed(err)
@@ -266,7 +265,7 @@ def _check_memory(config: Config, job: Job, say: Callable[[str], None]) -> None:
     try:
         problem = preflight(config, job)
     except LauncherError as err:
-        if str(config.preflight) == "error":
+        if str(config.preflight) == "error" or isinstance(err, Interrupted):  # a stop signal is no planner error
             raise
         say(f"warning: memory plan skipped ({one_line(err)})")
         return

@@ -13,9 +13,14 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    import torch.distributed.elastic.multiprocessing.api as elastic_api
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    # torch's agent turns SIGTERM/SIGINT/SIGHUP/SIGQUIT into an exception that kills the ranks within seconds
+    # (and a traceback): a stop signal to the whole group (Ctrl-C, `timeout`, SLURM) must let them save. The
+    # launcher forwards stops as a file the ranks read; they reach the ranks themselves too.
+    elastic_api._terminate_process_handler = _leave_the_stop_to_the_ranks
     verbose = os.environ.get("HYDRA_FULL_ERROR") == "1"
     if not verbose:
         # "Sending process N closing signal SIGTERM", "failed (exitcode: 1) local_rank: ..."
@@ -33,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         # A rank ended by a signal (the out-of-memory killer's SIGKILL): 128 + N, as a shell reports it.
         return 128 - first if first < 0 else 1
     return 0
+
+
+def _leave_the_stop_to_the_ranks(_signum: int, _frame: object) -> None:
+    """torch's agent's handler of the stop signals, replaced: the agent goes on waiting for its ranks."""
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from launcher.core.children import die_with_parent
 from launcher.core.errors import LauncherError
 from launcher.core.logs import FILE_ONLY
 from launcher.core.rundir import RunDir
+from launcher.core.signals import ignore_stop_signals
 from launcher.core.summary import Summary
 from launcher.data.cache import CachedCollator, CachedDataset, CacheInfo, Part, RecordEncoder, ensure_job_cache
 from launcher.data.collate import Collator, fit_records
@@ -233,6 +234,7 @@ def _loader_args(job: Job, rank: Rank) -> dict[str, Any]:
 
 def _die_with_rank(_worker_id: int) -> None:
     die_with_parent()
+    ignore_stop_signals()  # a group's SIGTERM must not end the workers before their rank has saved
 
 
 def _held_out(job: Job, rank: Rank, processor: Any, records: Records, guard: bool, tally: SkipTally) -> tuple[Any, Any]:

@@ -208,3 +208,39 @@ def test_two_ranks_preempted_then_killed_after_a_checkpoint_resume_bitwise(run_t
     assert read_summary(copied)["resumed_from_step"] == other
     assert curves(copied) == expected, f"resumed from step {other}"
     assert final_state(copied) == expected_state, f"resumed from step {other}"
+
+
+# ----------------------------------------------------------------------------- stop signals to every process
+def test_sigterm_to_the_whole_group_saves_and_the_resume_ends_bitwise(run_train, isolated_env, tmp_path, uninterrupted):
+    """`timeout` and a terminal's Ctrl-C signal the whole process group: the launcher, its rank and the rank's
+    DataLoader workers. The workers ignore it (they used to die first: "DataLoader worker is killed by signal",
+    no checkpoint, "failed"); the rank saves and stops; the resume ends where an uninterrupted run does."""
+    run_dir = tmp_path / "run"
+    process = start(isolated_env, run_dir, *RUN, "data.num_workers=2", f"hydra.run.dir={run_dir}")
+    wait_for(process, lambda: last_step(run_dir) >= 2)
+    os.killpg(process.pid, signal.SIGTERM)
+    assert process.wait(timeout=300) == 143
+    stopped = read_summary(run_dir)
+    assert stopped["status"] == "preempted" and stopped["steps"] == last_step(run_dir) >= 2
+    assert latest(run_dir) == f"step{stopped['steps']}"
+    resume(run_train, run_dir)
+    assert losses(run_dir) == uninterrupted
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP])
+def test_a_stop_signal_to_every_process_of_two_ranks_saves_as_preempted(isolated_env, tmp_path, signum):
+    """As SLURM stops a step (every process: the launcher, torch's agent, both ranks, their workers), or a
+    closed terminal (SIGHUP): "preempted", exit 143, a complete checkpoint at the last step. torch's agent
+    used to turn SIGINT into a traceback and kill the ranks ("failed", exit 1); SIGHUP left "running"."""
+    run_dir = tmp_path / "run"
+    process = start(isolated_env, run_dir, *TWO_RANKS, f"hydra.run.dir={run_dir}")
+    wait_for(process, lambda: last_step(run_dir) >= 2)
+    family = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    for member in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.send_signal(signum)
+    assert process.wait(timeout=300) == 143
+    stopped = read_summary(run_dir)
+    assert stopped["status"] == "preempted" and stopped["steps"] == last_step(run_dir) >= 2
+    assert latest(run_dir) == f"step{stopped['steps']}"
+    assert RunDir(run_dir).marker(f"step{stopped['steps']}").is_file()

@@ -11,8 +11,8 @@ from launcher.core.signals import STOP_SIGNALS, handling, name
 
 
 def test_the_stop_signals_are_those_clusters_send():
-    assert STOP_SIGNALS == (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
-    assert [name(signum) for signum in STOP_SIGNALS] == ["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"]
+    stops = ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"]  # SIGHUP: a terminal closed
+    assert [name(signum) for signum in STOP_SIGNALS] == stops
     assert name(9) == "SIGKILL"
 
 

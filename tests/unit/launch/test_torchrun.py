@@ -8,6 +8,7 @@ handlers for the stop signals, which each test puts back."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from pathlib import Path
@@ -23,6 +24,9 @@ RANK = """
 import os, signal, sys, time
 how = sys.argv[1]
 if how == "ok":
+    sys.exit(0)
+if how == "slow":  # both ranks finish after 2 s, whatever their agent was sent meanwhile
+    time.sleep(2)
     sys.exit(0)
 if os.environ["RANK"] == "1":
     time.sleep(0.3)
@@ -44,6 +48,9 @@ def torchrun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     handlers = {number: signal.getsignal(number) for number in stops}
     elastic = logging.getLogger("torch.distributed.elastic")
     level = elastic.level
+    import torch.distributed.elastic.multiprocessing.api as elastic_api
+
+    monkeypatch.setattr(elastic_api, "_terminate_process_handler", elastic_api._terminate_process_handler)  # undone
 
     def run(how: str) -> int:
         return main(["--nproc-per-node=2", f"--master-port={free_port()}", str(script), how])
@@ -77,3 +84,21 @@ def test_hydra_full_error_keeps_torchruns_own_failure(torchrun, monkeypatch):
     with pytest.raises(ChildFailedError) as failed:
         torchrun("1")
     assert failed.value.get_first_failure()[1].exitcode == 1
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_stop_signal_to_torchs_agent_leaves_its_ranks_running(torchrun, signum):
+    """Sent to every process (Ctrl-C, `timeout`, SLURM), a stop reaches the ranks, which save and stop; torch's
+    agent used to turn it into an exception that killed them within seconds (and a traceback). Here the
+    agent (this process) is sent one mid-run and its ranks still end on their own, exit 0."""
+    import threading
+
+    signal.signal(signum, lambda *_: None)  # should the signal land before torch installs its handlers
+    timer = threading.Timer(0.8, os.kill, (os.getpid(), signum))
+    timer.start()
+    started = time.time()
+    try:
+        assert torchrun("slow") == 0
+    finally:
+        timer.cancel()
+    assert time.time() - started >= 2
