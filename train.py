@@ -49,6 +49,7 @@ if __name__ == "__main__":
     main()
     from launcher.compare.sweep import failed_sweep_line
 
-    if (failed := failed_sweep_line()) is not None:  # the end of a sweep, one of whose jobs failed
-        print(f"error: {failed}", file=sys.stderr)
-        sys.exit(1)
+    if (ended := failed_sweep_line()) is not None:  # the end of a sweep, one of whose jobs did not complete
+        line, code = ended
+        print(f"error: {line}", file=sys.stderr)
+        sys.exit(code)

@@ -20,22 +20,35 @@ from launcher.core.rundir import RunDir
 _failed: list[tuple[str, str]] = []
 
 
+# Jobs a stop signal ended (saved and resumable, or stopped before training): not failures.
+STOPPED = ("preempted", "interrupted")
+
+
 def failed_jobs(sweep_dir: Path) -> list[tuple[str, str]]:
-    """(job directory name, error line) for every job of the sweep that did not complete."""
+    """(job directory name, error line) for every job of the sweep that did not complete: failed, or (its
+    status as the line) stopped by a signal."""
     failed = []
     for job_dir in sorted(path for path in sweep_dir.iterdir() if path.is_dir()):
         summary = RunDir(job_dir).read_summary()
         if summary is not None and summary.status != "completed":
-            failed.append((job_dir.name, summary.error or summary.status))
+            failed.append((job_dir.name, summary.status if summary.status in STOPPED else summary.error or "failed"))
     return failed
 
 
-def failed_sweep_line() -> str | None:
-    """The line a sweep ends with when some of its jobs failed (their errors are in the table above)."""
+def failed_sweep_line() -> tuple[str, int] | None:
+    """The line a sweep ends with when some of its jobs did not complete (their errors are in the table
+    above), and its exit code: 1 when one failed; 143 when the rest were stopped by a signal (preempted:
+    each resumes with resume=ITS_DIR), as a single job's preemption exits."""
     if not _failed:
         return None
-    jobs = ", ".join(job for job, _ in _failed)
-    return f"{len(_failed)} job(s) of the sweep failed (job {jobs}; errors above)"
+    failed = [job for job, why in _failed if why not in STOPPED]
+    if failed:
+        return f"{len(failed)} job(s) of the sweep failed (job {', '.join(failed)}; errors above)", 1
+    stopped = ", ".join(job for job, _ in _failed)
+    return (
+        f"{len(_failed)} job(s) of the sweep were stopped by a signal (job {stopped}; resume each with resume=DIR)",
+        143,
+    )
 
 
 class SweepReport(Callback):

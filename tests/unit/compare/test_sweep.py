@@ -38,7 +38,7 @@ def test_the_end_of_a_multirun_writes_the_comparison_and_remembers_the_failures(
     assert f"{NAMES['2']} failed: {ERROR}" in lines
     assert lines[-1] == f"comparison: {(sweep / 'compare.md').absolute()} (+ compare.csv, compare.png)"
     assert {"compare.md", "compare.csv", "compare.png"} <= {p.name for p in sweep.iterdir()}
-    assert failed_sweep_line() == "1 job(s) of the sweep failed (job 2; errors above)"
+    assert failed_sweep_line() == ("1 job(s) of the sweep failed (job 2; errors above)", 1)
 
 
 def test_a_sweep_directory_that_was_never_made_is_left_alone(tmp_path: Path, capsys) -> None:
@@ -46,3 +46,15 @@ def test_a_sweep_directory_that_was_never_made_is_left_alone(tmp_path: Path, cap
     SweepReport().on_multirun_end(config)
     assert capsys.readouterr().out == "" and not (tmp_path / "never").exists()
     assert failed_sweep_line() is None
+
+
+def test_a_preempted_job_is_no_failure_and_the_sweep_exits_as_a_preemption(monkeypatch) -> None:
+    """A job a stop signal ended saved a checkpoint (or never trained): the sweep says so and exits 143, as one
+    preempted job does; a failure among them still makes it exit 1."""
+    monkeypatch.setattr(sweep_module, "_failed", [("1", "preempted")])
+    assert failed_sweep_line() == (
+        "1 job(s) of the sweep were stopped by a signal (job 1; resume each with resume=DIR)",
+        143,
+    )
+    monkeypatch.setattr(sweep_module, "_failed", [("0", "preempted"), ("2", ERROR)])
+    assert failed_sweep_line() == ("1 job(s) of the sweep failed (job 2; errors above)", 1)
