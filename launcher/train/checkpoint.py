@@ -51,6 +51,9 @@ class DataPosition:
     # A mixture's samples drawn from ("drawn") and records in ("records") each source, at save.
     sources: dict[str, dict[str, int]] | None = None
     records: int = 0  # data.streaming: rows of this rank's epoch consumed (launcher.data.stream)
+    # What the training records are: their data cache's key (a digest of the records, the processor and the
+    # length limit), or their count without the cache; None for a stream. A resume must find the same.
+    dataset: str | None = None
 
 
 class ResumableSampler(DistributedSampler):
@@ -134,6 +137,7 @@ def save(engine: Any, run_dir: RunDir, marker: CheckpointMarker, position: DataP
         engine.save_checkpoint(str(run_dir.checkpoints), tag=tag, save_latest=False)
         own = {"step": marker.step, "epoch": position.epoch, "batches": position.batches, "rng": rng_state()}
         own["records"] = position.records
+        own["dataset"] = position.dataset
         if position.sources is not None:
             own["sources"] = position.sources
         torch.save(own, folder / f"launcher_rank{rank}.pt")
@@ -222,7 +226,11 @@ def load(
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {source}")
     rng = own["rng"] if same_ranks else None
-    return int(own["step"]), DataPosition(own["epoch"], own["batches"], own.get("sources"), own.get("records", 0)), rng
+    return (
+        int(own["step"]),
+        DataPosition(own["epoch"], own["batches"], own.get("sources"), own.get("records", 0), own.get("dataset")),
+        rng,
+    )
 
 
 def truncate_metrics(run_dir: RunDir, step: int) -> None:

@@ -129,9 +129,10 @@ def _indexed(
         train_set, batch_size=micro, sampler=sampler, drop_last=True, generator=torch.Generator(),
         collate_fn=collate, **_loader_args(job, rank),
     )  # fmt: skip
+    dataset = train_cache.path.name if train_cache is not None else f"{len(train_set)} records"
     built = Data(
         batches=iter(()),
-        position=DataPosition(),
+        position=DataPosition(dataset=dataset),
         sampler=sampler,
         micro=micro,
         world_size=rank.world_size,
@@ -312,6 +313,18 @@ def _report_skipped(job: Job, run_dir: RunDir, tally: SkipTally) -> None:
     if parts:
         where = f": see {run_dir.skipped_records}" if tally.entries else ""
         log.info("data: %s%s", ", ".join(parts), where)
+
+
+def check_same_dataset(data: Data, saved: DataPosition) -> None:
+    """A resume must train on the records it saved its place in: a data file edited, cut or reordered since
+    (or a hand-edited data setting) would silently resume at a place in other records."""
+    now = data.position.dataset
+    if saved.dataset is not None and now is not None and saved.dataset != now:
+        raise LauncherError(
+            f"the training data changed since the checkpoint was saved (data cache {saved.dataset} -> {now}: "
+            "data.path's records, data.max_length or the model's processor differ); resume with the data it "
+            "was saved with, or start a new run"
+        )
 
 
 def check_mixture_position(data: Data, saved: DataPosition) -> None:

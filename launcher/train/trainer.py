@@ -43,7 +43,7 @@ from launcher.train.distributed import Rank, barrier, destroy, init_distributed
 from launcher.train.engine import Engine, build_engine
 from launcher.train.evaluate import evaluate, evaluation_due
 from launcher.train.faults import Fault
-from launcher.train.loaders import Data, build_data, check_mixture_position, read_records
+from launcher.train.loaders import Data, build_data, check_mixture_position, check_same_dataset, read_records
 from launcher.train.memory_meter import PEAK, MemoryMeter
 from launcher.train.peak import device_peak
 from launcher.train.record import Recorder, final_table
@@ -235,6 +235,7 @@ def resume(
         summary.resharded_from = reshard.to_json()
         if rank.is_main:
             log.info("resumed on another shape: %s (global batch %d kept)", reshard.describe(), reshard.global_batch)
+    check_same_dataset(data, position)
     if position.sources is not None:  # a mixture: the same data must resume at the same place in each source
         check_mixture_position(data, position)
     summary.resumed_from_step = start_step

@@ -379,3 +379,22 @@ def test_gradient_checkpointing_leaves_the_loss_curve_unchanged(train_in_process
         curves[flag] = losses(ran.run_dir)
     assert len(curves["true"]) == 8 and curves["true"][-1] < curves["true"][0]
     assert_same_curves(curves, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_resume_on_other_training_records_is_refused(train_in_process, tmp_path):
+    """The checkpoint records which records it saved its place in (the data cache's key: a digest of them);
+    an edited data file, or a hand-edited data setting in .hydra/overrides.yaml (here data.n_train 64 -> 48),
+    used to resume silently at that place in other records."""
+    run_dir = tmp_path / "run"
+    job = (*JOB, "data.n_train=64", "data.n_eval=16", "train.max_steps=2", "train.save_every=1")
+    assert train_in_process(*job, run_dir=run_dir).outcome.status == "completed"
+    overrides = RunDir(run_dir).overrides
+    overrides.write_text(overrides.read_text().replace("data.n_train=64", "data.n_train=48"))
+    refused = train_in_process(f"resume={run_dir}", "train.max_steps=3", run_dir=run_dir).outcome
+    assert refused.exit_code == 2, refused
+    assert refused.error.startswith("the training data changed since the checkpoint was saved (data cache ")
+    assert "resume with the data it was saved with, or start a new run" in refused.error
+    overrides.write_text(overrides.read_text().replace("data.n_train=48", "data.n_train=64"))
+    resumed = train_in_process(f"resume={run_dir}", "train.max_steps=3", run_dir=run_dir).outcome
+    assert resumed.status == "completed" and resumed.summary.steps == 3, resumed.error
