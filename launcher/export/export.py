@@ -34,8 +34,9 @@ from typing import Any
 
 from launcher.config.schema import Config, OnBadRecord, config_from_yaml
 from launcher.core.checkpoints import complete_tags, find_resume_tag, read_marker
-from launcher.core.errors import LauncherError, TrainingFailed, one_line
-from launcher.core.rundir import UNIVERSAL_DIR, RunDir
+from launcher.core.errors import Interrupted, LauncherError, TrainingFailed, one_line
+from launcher.core.rundir import UNIVERSAL_DIR, RunDir, directory_problem
+from launcher.core.signals import STOP_SIGNALS, handling, name
 from launcher.data.collate import Collator
 from launcher.data.formats import BadRecordError
 from launcher.data.records import ConversationDataset, read_data
@@ -85,14 +86,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _quiet_libraries()
     try:
-        done = export(
-            args.run_dir,
-            out=args.out,
-            merge=args.merge,
-            checkpoint=args.checkpoint,
-            samples=args.samples,
-            tolerance=args.tolerance,
-        )
+        with handling(STOP_SIGNALS, _stopped):  # Ctrl-C: one line, the partial export removed (export's finally)
+            done = export(
+                args.run_dir,
+                out=args.out,
+                merge=args.merge,
+                checkpoint=args.checkpoint,
+                samples=args.samples,
+                tolerance=args.tolerance,
+            )
     except LauncherError as err:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
@@ -103,6 +105,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"model's by at most {done.difference:.2e} (tolerance {args.tolerance:g}) on {args.samples} held-out samples"
     )
     return 0
+
+
+def _stopped(signum: int, _frame: object) -> None:
+    raise Interrupted(f"export stopped by {name(signum)}; nothing was written (run it again)")
 
 
 def _quiet_libraries() -> None:
@@ -163,8 +169,13 @@ def export(
 
 
 def _check_destination(out: Path) -> None:
+    """Before anything loads: the export can be written there (a new or empty directory that can be made)."""
+    if out.is_symlink():
+        raise LauncherError(f"--out {out} is a symbolic link: give the directory itself (the export replaces --out)")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise LauncherError(f"--out {out} exists and is not empty: give a new directory (or remove that one first)")
+    if (problem := directory_problem(out.parent)) is not None:
+        raise LauncherError(f"--out {out}: cannot be created ({problem}); give a directory you can write")
 
 
 def _run_config(directory: RunDir) -> Config:
@@ -238,7 +249,13 @@ def _from_checkpoint(directory: RunDir, cfg: Config, tag: str, adapters: bool) -
         state = universal.full_state_dict(directory.checkpoint(tag), trained)
         parameters = set(trained)
     else:
-        state = consolidated_state_dict(directory, tag)
+        try:
+            state = consolidated_state_dict(directory, tag)
+        except (OSError, RuntimeError, EOFError, KeyError, ValueError) as err:  # torch.load's and zero_to_fp32's
+            raise LauncherError(
+                f"checkpoint {directory.checkpoint(tag)} cannot be read ({one_line(err, named=True, limit=160)}): "
+                "it is damaged, or was removed while exporting; give another --checkpoint (or export model/)"
+            ) from err
         parameters = {name for name, _ in model.named_parameters()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [name for name in missing if name in parameters]

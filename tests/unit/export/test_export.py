@@ -63,6 +63,19 @@ def test_a_destination_that_exists_and_is_not_empty_is_refused(never_trained, tm
     assert (out / "weights.bin").read_text() == "someone else's"
 
 
+def test_a_destination_that_is_a_link_or_cannot_be_made_is_refused_before_anything_loads(
+    never_trained, tmp_path, capsys
+):
+    """Checked first: it used to fail after loading and comparing the model (NotADirectoryError, or blaming
+    free disk space)."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    assert_one_line(export(capsys, never_trained, "--out", str(tmp_path / "link")), "is a symbolic link")
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / "a_file" / "export"
+    assert_one_line(export(capsys, never_trained, "--out", str(out)), f"--out {out}: cannot be created (")
+
+
 def test_a_directory_that_is_no_run_is_refused(tmp_path, capsys):
     assert_one_line(export(capsys, tmp_path), f"{tmp_path} is not a run directory")
 
@@ -101,6 +114,22 @@ def test_a_zero0_run_exports_from_model_and_from_its_checkpoint_alike(quick_run,
     for name, tensor in latest.items():
         torch.testing.assert_close(tensor, end[name], msg=name)
     assert not run.path.joinpath("export").exists() and not list(tmp_path.glob(".*partial"))
+
+
+@pytest.mark.slow
+def test_a_damaged_checkpoint_is_one_line_and_nothing_is_written(quick_run, tmp_path, capsys):
+    """A checkpoint whose files are cut short (or pruned while exporting) used to end in torch's
+    PytorchStreamReader traceback."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(quick_run.run_dir, copy)
+    for states in RunDir(copy).checkpoint("step2").glob("*.pt"):
+        states.write_bytes(states.read_bytes()[:100])
+    done = export(capsys, copy, "--checkpoint", "step2", "--out", str(tmp_path / "out"))
+    assert_one_line(done, f"checkpoint {RunDir(copy).checkpoint('step2')} cannot be read (")
+    assert "it is damaged, or was removed while exporting" in done[2]
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".*partial"))
 
 
 def eval_accuracy(model, run_dir: Path) -> float:
