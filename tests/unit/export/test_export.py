@@ -76,6 +76,25 @@ def test_a_destination_that_is_a_link_or_cannot_be_made_is_refused_before_anythi
     assert_one_line(export(capsys, never_trained, "--out", str(out)), f"--out {out}: cannot be created (")
 
 
+def test_ctrl_c_during_an_export_is_one_line_and_leaves_nothing(never_trained, tmp_path, monkeypatch, capsys):
+    import os
+    import signal
+
+    from launcher.export import export as export_module
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # while the trained model loads
+
+    monkeypatch.setattr(export_module, "load_source", interrupted)
+    code = main([str(never_trained), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 143 and "Traceback" not in err, err
+    assert [line for line in err.splitlines() if line.startswith("error: ")] == [
+        "error: export stopped by SIGINT; nothing was written (run it again)"
+    ]
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_directory_that_is_no_run_is_refused(tmp_path, capsys):
     assert_one_line(export(capsys, tmp_path), f"{tmp_path} is not a run directory")
 
