@@ -288,6 +288,8 @@ def _settle(
         error = error or error_line(log.read_text(errors="replace"))
         out_of_memory = "out of memory" in error.lower() or "can't allocate memory" in error.lower()
         result.status, result.note = ("does not fit" if out_of_memory else "failed"), error[:500]
+    if not watch.records and result.status == "failed":
+        result.peak = None  # a process that trained no step: its start-up's few MiB are no peak of this candidate
 
 
 def _verdict(t: Tuning, watch: Watch, new: list[dict[str, Any]], started: float, tc: Any) -> tuple[str, str] | None:

@@ -173,6 +173,20 @@ def test_a_candidate_stopped_from_outside_stops_the_tuning_even_after_it_was_mea
     assert result.status == "fits"  # the tuner's own kill of a measured candidate
 
 
+def test_a_candidate_that_failed_before_its_first_step_reports_no_peak(tmp_path):
+    """A rank polled while starting (a few MiB) is no peak of the candidate: the table used to say
+    "peak 11 MiB" of a candidate that crashed before any step."""
+    t = _tuning(tmp_path)
+    tc = compose_typed(["tune.warmup_steps=1", "tune.measure_steps=2"]).tune
+    result = Result(Candidate("z0", "fp32", 8, 1, False))
+    watcher = runner._Watcher(t, RunDir(tmp_path / "run"), tc, time.time())
+    watcher.watch.rank_peaks[1] = 11 * MiB
+    log = tmp_path / "candidate.log"
+    log.write_text("error: model.path=/x: cannot read its config\n")
+    runner._settle(t, result, watcher, Outcome(tmp_path / "run", "failed", 2, "cannot read its config"), tc, 0, log)
+    assert (result.status, result.peak) == ("failed", None)
+
+
 def test_a_stop_signal_while_candidates_are_composed_ends_the_tuning_in_one_line(tmp_path, monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, delivered while the first candidate is planned
