@@ -152,7 +152,7 @@ EPOCH_STEPS = (
 def test_a_packed_run_has_the_losses_of_the_unpacked_run_of_the_same_records(train_in_process, tmp_path, arch, preset):
     """Packed into rows of at most 256 tokens (tiny LLaVA's 31-token records: 8 + 8 per row; tiny
     Qwen2-VL's 23-token ones: 11 + 5), one row per micro-batch, against one unpacked micro-batch of all
-    16 (and, at ZeRO 0, four of 4): the loss is the mean over the step's answer tokens however the records are split,
+    16 (and, once, four of 4): the loss is the mean over the step's answer tokens however the records are split,
     so every step's loss agrees to 1e-5 (fp32), at ZeRO 0 and 3. Two ranks: tests/e2e/test_dist.py."""
     common = (*EPOCH_STEPS, f"model.arch={arch}", f"deepspeed={preset}")
     packed = ("data.packing=true", "data.pack_length=256", "train.micro_batch_size=1", "train.global_batch_size=2")
@@ -160,7 +160,7 @@ def test_a_packed_run_has_the_losses_of_the_unpacked_run_of_the_same_records(tra
         "one micro-batch": (*common, "train.micro_batch_size=16", "train.global_batch_size=16"),
         "packed rows": (*common, *packed),
     }
-    if preset == "z0":  # the split into micro-batches alone
+    if (arch, preset) == ("tiny_llava", "z0"):  # the split into micro-batches alone (once: it is family-blind)
         runs["four micro-batches"] = (*common, "train.micro_batch_size=4", "train.global_batch_size=16")
     curves = {}
     for name, overrides in runs.items():
