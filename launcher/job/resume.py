@@ -238,8 +238,10 @@ SCHEDULE_KNOBS = {
 
 
 def scheduled_lr(schedule: dict[str, Any], step: int) -> float | None:
-    """The learning rate metrics.jsonl shows at `step` (1-based: the scheduler has stepped `step` times)
-    under a schedule, from DeepSpeed's own scheduler class; None where DeepSpeed has no such class."""
+    """The learning rate step `step` (1-based) applies, as metrics.jsonl shows it, under a schedule, from
+    DeepSpeed's own scheduler class; None where DeepSpeed has no such class. Step k applies the scheduler's
+    iteration k for WarmupCosineLR (launcher.train.engine.start_warm_up_at_step_one), k - 2 for the others
+    (DeepSpeed sets iteration -1's rate before the first step and steps after each)."""
     import torch
     from deepspeed.runtime import lr_schedules
 
@@ -247,10 +249,11 @@ def scheduled_lr(schedule: dict[str, Any], step: int) -> float | None:
     cls = getattr(lr_schedules, str(block.get("type")), None)
     if cls is None or lr is None:
         return None
+    iteration = step if cls is lr_schedules.WarmupCosineLR else step - 2
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=float(lr))
     try:
-        # Built at its step (not at -1, where DeepSpeed warns that it has not started), then stepped there.
-        cls(optimizer, **{**(block.get("params") or {}), "last_batch_iteration": step - 1}).step(step - 1)
+        # Built at its iteration (not at -1, where DeepSpeed warns that it has not started), then stepped there.
+        cls(optimizer, **{**(block.get("params") or {}), "last_batch_iteration": iteration}).step(iteration)
     except (TypeError, ValueError):
         return None
     return float(optimizer.param_groups[0]["lr"])

@@ -41,6 +41,16 @@ from launcher.train.distributed import barrier
 from launcher.train.faults import slow_save_seconds
 
 
+def reapply_schedule(engine: Any) -> None:
+    """Set the optimizer's rate from the scheduler at the iteration the checkpoint restored. DeepSpeed restores
+    the scheduler's iteration and the optimizer's saved rate, but the schedule comes from this job's config:
+    with another train.max_steps (or warm-up, lr) the first resumed step would apply the old schedule's rate.
+    With the same schedule it sets the rate saved, the same float."""
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if scheduler is not None and hasattr(scheduler, "last_batch_iteration") and scheduler.last_batch_iteration >= 0:
+        scheduler.step(scheduler.last_batch_iteration)
+
+
 # ----------------------------------------------------------------------------- data position
 @dataclass
 class DataPosition:
@@ -215,6 +225,7 @@ def load(
             path, _ = engine.load_checkpoint(
                 str(run_dir.checkpoints), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
             )
+        reapply_schedule(engine)
         same_ranks = reshard is None or reshard.keeps_ranks
         own = torch.load(run_dir.checkpoint(tag) / f"launcher_rank{rank if same_ranks else 0}.pt", weights_only=False)
     except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as err:

@@ -167,4 +167,4 @@ def test_every_step_records_its_loss_rate_norm_speed_and_cpu_time(quick_run):
         assert "train/loss_scale" not in row  # fp32: no loss scaler
         assert row["perf/tokens_per_sec"] > 0 and 0 <= row["perf/padding_frac"] < 1
         assert 0 < row["perf/image_token_frac"] < 1 and 0 < row["perf/mfu"] < 1  # the built-in set: 1 image each
-    assert rows[0]["train/lr"] == 0.0 < rows[1]["train/lr"]  # linear warm-up from 0
+    assert rows[0]["train/lr"] > 0  # the rate step 1 applied: the first update moves the weights
