@@ -73,12 +73,12 @@ def schedule(*overrides: str) -> dict:
 def test_a_changed_schedule_is_one_line_with_the_learning_rate_before_and_after():
     marker = CheckpointMarker(step=4, tag="step4", lr_schedule=lr_schedule_of(schedule("train.max_steps=4")))
     longer = schedule_change(marker, schedule("train.max_steps=8"))
-    # The 4-step cosine had reached its floor (0.05 x lr); re-stretched to 8 steps it is back near lr.
+    # The 4-step cosine had reached its floor (0.05 x lr); re-stretched to 8 steps it is well above it again.
     assert longer is not None and longer.startswith(
         "resume: train.max_steps 4 -> 8: the learning-rate schedule is re-stretched to 8 steps from step 5 on "
         f"(lr at step 5: {5e-5:.1e} -> "
     )
-    assert float(longer.removesuffix(")").rsplit(" ", 1)[1]) > 5e-4
+    assert float(longer.removesuffix(")").rsplit(" ", 1)[1]) > 2e-4
     lr = schedule_change(marker, schedule("train.max_steps=4", "train.lr=2e-3"))
     assert lr is not None and lr.startswith("resume: train.lr 0.001 -> 0.002: the learning-rate schedule is changed")
     assert schedule_change(marker, schedule("train.max_steps=4")) is None
