@@ -18,6 +18,7 @@ import hydra
 from omegaconf import DictConfig
 
 from launcher.config.schema import register_configs
+from launcher.core.signals import recording_stop_signals
 from launcher.launch.cli import composition_refused, local_rank_dropped, refused_run_dir
 
 register_configs()
@@ -46,7 +47,9 @@ if __name__ == "__main__":
     if (refused := refused_run_dir(sys.argv)) is not None:
         print(f"error: {refused}", file=sys.stderr)
         sys.exit(2)
-    main()
+    # Before Hydra writes anything: a stop signal from now on ends the job as "interrupted", with a summary.
+    with recording_stop_signals():
+        main()
     from launcher.compare.sweep import failed_sweep_line
 
     if (ended := failed_sweep_line()) is not None:  # the end of a sweep, one of whose jobs did not complete

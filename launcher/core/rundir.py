@@ -110,6 +110,16 @@ class RunDir:
     def read_overrides(self) -> list[str]:
         return [str(item) for item in yaml.safe_load(self.overrides.read_text()) or []]
 
+    def read_hydra_overrides(self) -> list[str]:
+        """The job's overrides of Hydra's own settings (`hydra.job.env_set.X=...`), credentials redacted;
+        [] where hydra.yaml is missing or holds none."""
+        try:
+            node = yaml.safe_load(self.hydra_config.read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            return []
+        found = ((node.get("hydra") or {}).get("overrides") or {}).get("hydra") or []
+        return [str(item) for item in found]
+
     def write_hydra_files(self, config: dict[str, Any], hydra: dict[str, Any], overrides: list[str]) -> None:
         """The run's `.hydra/` files, as Hydra would write them: the composed config, Hydra's node and the
         command line. The only writer of `.hydra/` (Hydra's own is off: conf/config.yaml output_subdir):

@@ -40,3 +40,33 @@ def handling(signals: tuple[signal.Signals, ...], handler: Callable[[int, object
 
 def name(signum: int) -> str:
     return signal.Signals(signum).name
+
+
+# The stop signals this process received inside `recording_stop_signals`; None outside it (a test, the
+# tuner's own process), where nothing is remembered for later jobs.
+_received: list[str] | None = None
+
+
+@contextlib.contextmanager
+def recording_stop_signals() -> Iterator[None]:
+    """Around a whole process's work (train.py, each rank): a stop signal that arrives before the handlers
+    of the work it stops are in place is remembered (`received`) instead of killing the process with
+    nothing recorded; the launcher then ends the job as interrupted, a rank stops after its first step."""
+    global _received
+    _received = []
+    try:
+        with handling(STOP_SIGNALS, remember):
+            yield
+    finally:
+        _received = None
+
+
+def remember(signum: int, _frame: object = None) -> None:
+    """Note a stop signal for what runs next in this process (a sweep's next job ends as interrupted)."""
+    if _received is not None:
+        _received.append(name(signum))
+
+
+def received() -> str | None:
+    """The first stop signal remembered inside `recording_stop_signals`; None if none came."""
+    return _received[0] if _received else None

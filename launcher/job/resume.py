@@ -22,7 +22,8 @@ files written, so a refused `resume=DIR deepspeed=z2` leaves the run as it was.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ from launcher.core.checkpoints import (
     read_marker,
 )
 from launcher.core.errors import LauncherError
-from launcher.core.overrides import argument, override_key, replaced
+from launcher.core.overrides import argument, override_key, override_value, replaced
 from launcher.core.rundir import RunDir
 from launcher.core.summary import Summary
 from launcher.job.reshard import batch_overrides, reshard_for
@@ -55,7 +56,10 @@ class Continued:
     cfg: DictConfig  # old overrides + new ones (which win)
     hydra: HydraJob
     hydra_node: DictConfig  # Hydra's node of that composition (written to .hydra/hydra.yaml once accepted)
-    notes: tuple[str, ...] = ()  # the batch kept on another world size
+    notes: tuple[str, ...] = ()  # the batch kept on another world size, Hydra settings not replayed
+    # The first run's `hydra.job.env_set` entries this command line does not give again: the ranks'
+    # environment, as Hydra gave it to the first run's (credentials read from this job's environment).
+    environment: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -93,21 +97,65 @@ def continued(cfg: DictConfig, hydra: HydraJob) -> Continued | None:
             f"resume={value}: the run was started with a credential in {key}, which no file of the run holds: "
             f"set {variable} to it (or give {key}=... again) and resume"
         )
-    composed = _compose_in(run_dir, task)
-    kept = _kept_global_batch(run_dir, composed.cfg, new)
-    if kept is None:
-        return composed
-    line, batch = kept
-    return dataclasses.replace(_compose_in(run_dir, [*task, *batch]), notes=(line,))
+    environment, settings = _replayed_hydra_settings(run_dir, hydra, str(value))
+    composed = _compose_in(run_dir, task, environment)
+    notes = []
+    if (kept := _kept_global_batch(run_dir, composed.cfg, new)) is not None:
+        line, batch = kept
+        composed = _compose_in(run_dir, [*task, *batch], environment)
+        notes.append(line)
+    if settings:
+        notes.append(
+            f"resume: the first run's {' '.join(settings)} shaped Hydra's own start and is not replayed: "
+            "give it again to keep it"
+        )
+    return dataclasses.replace(composed, notes=tuple(notes), environment=environment)
 
 
-def _compose_in(run_dir: RunDir, task: Sequence[str]) -> Continued:
-    """The continued job's config (Hydra's compose API), placed in the old run's directory."""
+_ENV_SET = "hydra.job.env_set."
+# Hydra overrides that say where and how this job runs, not what it is: never replayed, never mentioned.
+_PLACEMENT = ("hydra.run.dir", "hydra.mode", "hydra.sweep.", "hydra.job.env_set.")
+
+
+def _replayed_hydra_settings(run_dir: RunDir, hydra: HydraJob, value: str) -> tuple[dict[str, str], list[str]]:
+    """({variable: value} of `hydra.job.env_set`, the first run's entries and this command line's, the
+    first run's other Hydra settings not given again). A credential's entry is recorded redacted: its value comes
+    from this job's environment, or the resume stops in one line naming the variable."""
+    given = {override_key(arg) for arg in (hydra.node.overrides.hydra if hydra.node is not None else ())}
+    # Given again: Hydra has set it in this process already; kept here so that hydra.yaml records it.
+    environment = {str(k): str(v) for k, v in (hydra.node.job.env_set.items() if hydra.node is not None else ())}
+    settings: list[str] = []
+    for override in run_dir.read_hydra_overrides():
+        key = override_key(override)
+        if key in given:
+            continue
+        if not key.startswith(_ENV_SET):
+            if not key.startswith(_PLACEMENT):
+                settings.append(override)
+            continue
+        variable, setting = key[len(_ENV_SET) :], str(override_value(override))
+        if setting == credentials.REDACTED:
+            if variable not in os.environ:
+                raise LauncherError(
+                    f"resume={value}: the run was started with {_ENV_SET}{variable}, a credential no file of "
+                    f"the run holds: export {variable} (or give +{_ENV_SET}{variable}=... again) and resume"
+                )
+            setting = os.environ[variable]
+        environment[variable] = setting
+    return environment, settings
+
+
+def _compose_in(run_dir: RunDir, task: Sequence[str], environment: Mapping[str, str]) -> Continued:
+    """The continued job's config (Hydra's compose API), placed in the old run's directory, its Hydra node
+    recording the replayed environment (so that the next resume replays it too)."""
     cfg, hydra_node = without_hydra(compose(task, with_hydra=True))
     with open_dict(hydra_node):
         hydra_node.run.dir = str(run_dir.path)
         hydra_node.runtime.output_dir = str(run_dir.path)
         hydra_node.overrides.task = list(task)
+        for variable, setting in environment.items():
+            hydra_node.job.env_set[variable] = setting
+            hydra_node.overrides.hydra.append(f"+{_ENV_SET}{variable}={setting}")
     job = HydraJob(
         run_dir=run_dir.path,
         overrides=tuple(task),

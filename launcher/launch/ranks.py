@@ -27,7 +27,7 @@ from launcher.core.children import die_with_parent
 from launcher.core.errors import Interrupted, LauncherError, TrainingFailed
 from launcher.core.rank_errors import clear_rank_errors, first_rank_error, step_failure, step_in_flight
 from launcher.core.rundir import RunDir
-from launcher.core.signals import STOP_SIGNALS, handling, name
+from launcher.core.signals import STOP_SIGNALS, handling, name, remember
 from launcher.core.summary import Summary
 from launcher.job.spec import Job
 from launcher.launch import slurm
@@ -247,8 +247,9 @@ def _run_forwarding_stop_signals(command: list[str], env: dict[str, str], run_di
 
     Passing the signal on to torchrun instead would make it kill its ranks before they can save."""
 
-    def request_stop(_signum: int, _frame: object) -> None:
+    def request_stop(signum: int, _frame: object) -> None:
         run_dir.stop_file.touch()
+        remember(signum)  # a sweep's next job does not start
 
     with handling(STOP_SIGNALS, request_stop):
         if output is None:

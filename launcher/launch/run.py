@@ -36,7 +36,7 @@ from launcher.core.errors import Interrupted, LauncherError, one_line
 from launcher.core.json_files import write_json_atomic
 from launcher.core.rank_errors import record_rank_error
 from launcher.core.rundir import RunDir
-from launcher.core.signals import STOP_SIGNALS, handling, name
+from launcher.core.signals import STOP_SIGNALS, handling, name, received, remember
 from launcher.core.summary import Summary
 from launcher.job import resume
 from launcher.job.checks import check_inputs
@@ -119,19 +119,37 @@ def run_job(
     attempt = _Attempt(cfg, hydra, run_dir, say)
     try:
         with handling(STOP_SIGNALS, _interrupt):
-            job, secret_env = attempt.plan()
+            job, plan_env = attempt.plan()
     except LauncherError as err:
         return attempt.failed(err)
     except (HydraException, OmegaConfBaseException) as err:  # a resume's old command line no longer composes
         return Outcome(run_dir.path, "failed", 1, one_line(err))
+    except Exception as err:
+        # A stop signal inside an import (transformers' lazy modules re-raise it as a RuntimeError) is still
+        # the stop, not a failure of the import.
+        if (stop := _interruption_behind(err)) is None:
+            raise
+        return attempt.failed(stop)
     if attempt.done is not None:
         return attempt.done
     say(job.describe())
     try:
-        summary = start(job, run_dir, env={**secret_env, **(rank_env or {})}, output=output)
+        summary = start(job, run_dir, env={**plan_env, **(rank_env or {})}, output=output)
     except LauncherError as err:
         return attempt.failed(err)
     return _ended(run_dir, summary)
+
+
+def _interruption_behind(err: BaseException) -> Interrupted | None:
+    """The stop signal's Interrupted among the causes of `err`, if one is."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        if isinstance(current, Interrupted):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def _ended(run_dir: RunDir, summary: Summary) -> Outcome:
@@ -154,7 +172,8 @@ class _Attempt:
         self.done: Outcome | None = None  # the job ended before its ranks: a dry run, a finished run
 
     def plan(self) -> tuple[Job, dict[str, str]]:
-        """The accepted job and the environment entry that hands the ranks its credentials."""
+        """The accepted job and what joins its ranks' environment: the entry that hands them its credentials,
+        and on a resume the first run's `hydra.job.env_set`."""
         self.continued = resume.continued(self.cfg, self.hydra)
         cfg, hydra = (self.cfg, self.hydra) if self.continued is None else (self.continued.cfg, self.continued.hydra)
         for note in self.continued.notes if self.continued else ():
@@ -162,6 +181,8 @@ class _Attempt:
         if self.continued is None:
             self.accepted = True  # a new job: nothing of an earlier run to leave as it was
             _write_hydra_files(self.run_dir, cfg, hydra)
+        if (signal_name := received()) is not None:  # it came before this launcher's handlers were in place
+            raise _stopped_before_training(signal_name)
         self.config = config = typed(cfg)
         check_config(config)
         config, length = training_length(config)
@@ -174,7 +195,8 @@ class _Attempt:
         job = self._resume(config, job, cfg, hydra)
         if self.done is not None:  # a finished run: nothing to plan, and its files stay as they are
             return job, {}
-        return job, self._write_plan(job)
+        replayed = dict(self.continued.environment) if self.continued is not None else {}
+        return job, {**replayed, **self._write_plan(job)}
 
     def _resume(self, config: Config, job: Job, cfg: DictConfig, hydra: HydraJob) -> Job:
         """The job with what it continues from; a finished run ends the attempt here (`done`)."""
@@ -328,4 +350,9 @@ def _interrupt(signum: int, _frame: object) -> None:
 
     Once the ranks run, the launcher passes these signals on to them as a stop request instead
     (launcher.launch.ranks), and they stop at the next step boundary with a checkpoint."""
-    raise Interrupted(f"stopped by {name(signum)} before training started; start the job again")
+    remember(signum)  # a sweep's next job does not start
+    raise _stopped_before_training(name(signum))
+
+
+def _stopped_before_training(signal_name: str) -> Interrupted:
+    return Interrupted(f"stopped by {signal_name} before training started; start the job again")

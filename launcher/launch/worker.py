@@ -16,6 +16,7 @@ from pathlib import Path
 
 from launcher.core.children import die_with_parent
 from launcher.core.errors import LauncherError
+from launcher.core.signals import recording_stop_signals
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,4 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # From the first line: a stop while this rank starts (torch's import, the model) ends it after one step.
+    with recording_stop_signals():
+        code = main()
+    sys.exit(code)

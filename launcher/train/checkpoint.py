@@ -34,7 +34,7 @@ from torch.utils.data import DistributedSampler
 from launcher.core.checkpoints import CheckpointMarker, prune, saved_files, tag_for, write_latest, write_marker
 from launcher.core.errors import TrainingFailed, one_line
 from launcher.core.rundir import RunDir
-from launcher.core.signals import STOP_SIGNALS
+from launcher.core.signals import STOP_SIGNALS, received
 from launcher.job.reshard import Reshard
 from launcher.train import universal
 from launcher.train.distributed import barrier
@@ -261,7 +261,7 @@ class StopRequest:
     all ranks. Its handlers are this rank's while training; `close` gives the previous ones back."""
 
     def __init__(self, run_dir: RunDir) -> None:
-        self.signal_name: str | None = None
+        self.signal_name: str | None = received()  # one that came while the rank was starting
         self.stop_file = run_dir.stop_file
         self._previous = {signum: signal.signal(signum, self._handle) for signum in STOP_SIGNALS}
 

@@ -208,3 +208,47 @@ def test_a_run_started_with_a_credential_resumes_with_it_from_the_environment(tr
     assert resumed.status == "completed" and resumed.summary.steps == 3, resumed.error
     for path in (p for p in run_dir.rglob("*") if p.is_file()):
         assert key.encode() not in path.read_bytes(), path
+
+
+def test_a_resume_gives_the_ranks_the_first_runs_hydra_environment_again(process_group, tmp_path, monkeypatch):
+    """`+hydra.job.env_set.X=...` of the first run reaches the resumed run's ranks too (it used to be dropped:
+    overrides.yaml holds the task's overrides only); a credential among them is read from this job's
+    environment, and without it the resume stops in one line naming the variable."""
+    token = "hf_" + "e" * 30
+    run_dir = tmp_path / "run"
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    task = ["train.max_steps=1", "train.save_every=1", "train.micro_batch_size=4", "train.eval_every=0",
+            "data.eval_accuracy=false", "logger=none"]  # fmt: skip
+    hydra_settings = ["+hydra.job.env_set.VISIBLE_SETTING=kept", f"+hydra.job.env_set.HF_TOKEN={token}"]
+    cfg, node = without_hydra(compose([*task, *hydra_settings, "hydra.verbose=false"], with_hydra=True))
+    first = HydraJob(run_dir=run_dir, overrides=tuple(task), choices=choices_of(node.runtime.choices),
+                     group=run_group(run_dir), node=node)  # fmt: skip
+    assert run_job(cfg, first, say=lambda line: None, start=train_here).status == "completed"
+
+    given: dict[str, str] = {}
+
+    def start_here(job, directory, *, env, **kwargs):
+        given.update(env)
+        return train_here(job, directory, env=env, **kwargs)
+
+    def resume(*overrides):
+        again = [f"resume={run_dir}", *overrides]
+        lines: list[str] = []
+        outcome = run_job(compose(again), hydra_job(again, run_dir), say=lines.append, start=start_here)
+        return outcome, lines
+
+    refused, _ = resume("train.max_steps=2")
+    assert refused.exit_code == 2 and refused.error == (
+        f"resume={run_dir}: the run was started with hydra.job.env_set.HF_TOKEN, a credential no file of the run "
+        "holds: export HF_TOKEN (or give +hydra.job.env_set.HF_TOKEN=... again) and resume"
+    )
+    monkeypatch.setenv("HF_TOKEN", token)
+    resumed, lines = resume("train.max_steps=2")
+    assert resumed.status == "completed" and resumed.summary.steps == 2, resumed.error
+    assert given["VISIBLE_SETTING"] == "kept" and given["HF_TOKEN"] == token
+    not_replayed = "resume: the first run's hydra.verbose=false shaped Hydra's own start and is not replayed"
+    assert not_replayed in "\n".join(lines)
+    recorded = (run_dir / ".hydra" / "hydra.yaml").read_text()  # so that the next resume replays them too
+    assert "VISIBLE_SETTING: kept" in recorded and f"HF_TOKEN: {REDACTED}" in recorded
+    for path in (p for p in run_dir.rglob("*") if p.is_file()):
+        assert token.encode() not in path.read_bytes(), path

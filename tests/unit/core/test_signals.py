@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from launcher.core.signals import STOP_SIGNALS, handling, name
+from launcher.core.signals import STOP_SIGNALS, handling, name, received, recording_stop_signals, remember
 
 
 def test_the_stop_signals_are_those_clusters_send():
@@ -39,3 +39,15 @@ def test_the_old_handlers_come_back_when_the_block_raises():
         assert signal.getsignal(signal.SIGTERM) is not before
         raise RuntimeError("planning failed")
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_stop_signal_is_remembered_inside_the_recording_block_only():
+    before = signal.getsignal(signal.SIGTERM)
+    remember(signal.SIGTERM)  # outside the block (a test, the tuner's process): nothing is kept for later
+    assert received() is None
+    with recording_stop_signals():
+        assert received() is None
+        os.kill(os.getpid(), signal.SIGHUP)  # a closed terminal, before any job's handlers are in place
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert received() == "SIGHUP"
+    assert received() is None and signal.getsignal(signal.SIGTERM) is before

@@ -966,3 +966,20 @@ def test_every_row_of_the_error_table_names_a_test_that_exists():
         if f'"{tag}"' not in tests and not any(tag.replace("-", "_") in name for name in named)
     ]
     assert not missing, f"docs/errors.md rows whose test is gone: {missing}"
+
+
+def test_a_stop_signal_wrapped_by_an_import_is_still_the_stop():
+    """transformers' lazy modules have re-raised what an import raised as a RuntimeError: a stop signal
+    landing in that import is the stop (status interrupted, exit 143), not a failed import with a traceback."""
+    from launcher.core.errors import Interrupted
+    from launcher.launch.run import _interruption_behind
+
+    stop = Interrupted("stopped by SIGTERM before training started; start the job again")
+    try:
+        try:
+            raise stop
+        except Interrupted as err:
+            raise RuntimeError("Failed to import transformers.models.llava.modeling_llava") from err
+    except RuntimeError as wrapped:
+        assert _interruption_behind(wrapped) is stop
+    assert _interruption_behind(RuntimeError("a real failure")) is None

@@ -10,7 +10,9 @@ Signals, kills and two ranks: tests/e2e/test_train.py and test_resume.py.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from launcher.core.rundir import RunDir
+from launcher.core.signals import recording_stop_signals
 from launcher.data.shapes import generate_shapes
 from launcher.job.spec import Job, read_job
 from launcher.train.faults import FAULT_ENV
@@ -66,6 +69,28 @@ def test_a_stopped_job_resumes_with_the_losses_of_an_uninterrupted_one(train_in_
     assert resumed.outcome.status == "completed", resumed.outcome.error
     assert read_summary(stopped.path)["resumed_from_step"] == 1
     assert losses(stopped.path) == losses(whole.run_dir)  # bitwise: same world size, ZeRO-0, fp32
+
+
+def test_a_stop_signal_before_the_handlers_are_in_place_still_ends_the_job_honestly(process_group, tmp_path):
+    """A stop that reaches train.py while Hydra starts ends the job as interrupted, with a summary (it used
+    to kill the process with only `.lock` written); one that reaches a rank while it starts (torch's import,
+    the model) stops it after its first step, with a checkpoint, as preempted (it used to die unrecorded)."""
+
+    def stopped_while_starting(job, run_dir, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # what a scheduler sends the whole process group
+        return train_here(job, run_dir, **kwargs)
+
+    with recording_stop_signals():
+        os.kill(os.getpid(), signal.SIGTERM)
+        early = run_here([*JOB, "train.max_steps=4"], tmp_path / "early", start=train_here).outcome
+    assert (early.status, early.exit_code) == ("interrupted", 143), early.error
+    assert early.error == "stopped by SIGTERM before training started; start the job again"
+    assert read_summary(tmp_path / "early")["status"] == "interrupted"
+
+    with recording_stop_signals():
+        starting = run_here([*JOB, "train.max_steps=4"], tmp_path / "rank", start=stopped_while_starting).outcome
+    assert (starting.status, starting.exit_code) == ("preempted", 143), starting.error
+    assert read_summary(tmp_path / "rank")["steps"] == 1 and RunDir(tmp_path / "rank").marker("step1").is_file()
 
 
 def test_a_streamed_job_resumes_mid_block_with_the_losses_of_an_uninterrupted_one(train_in_process, tmp_path, caplog):
