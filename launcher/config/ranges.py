@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from launcher.config.groups import group_specs
 from launcher.core.errors import LauncherError
 
 WORKERS_PER_CORE = 4  # DataLoader workers beyond this many per usable core only add processes
@@ -324,5 +325,6 @@ CHECKS: tuple[_Rule, ...] = (
     _Rule("train", _betas),
     _Rule("train", _warmup),
     _range_rule(TRAIN_RANGES[-1]),  # min_lr_ratio
+    _Rule("train", lambda cfg: group_specs(cfg.train.groups)),
     *(_range_rule(row) for row in TUNE_RANGES),
 )

@@ -154,6 +154,10 @@ class TrainConfig:
     keep_checkpoints: int = MISSING
     max_nonfinite_steps: int = MISSING
     log_every: int = MISSING
+    # NAME -> {lr, lr_scale, weight_decay, match}: parameter groups (launcher.model.groups); untyped here,
+    # because OmegaConf cannot add a typed entry from a dotted override, and checked by launcher.config.ranges.
+    groups: dict[str, Any] = MISSING
+    decay_norms_and_biases: bool = MISSING
 
 
 @dataclass

@@ -55,6 +55,8 @@ class CheckpointMarker:
     offload_optimizer: str | None = None
     lr_schedule: dict[str, Any] | None = None  # a resume says when it changes the schedule
     param_names: list[str] | None = None
+    # The optimizer's groups (launcher.model.groups): [name, elements] each; its state is saved per group.
+    param_groups: list[list[Any]] | None = None
     files: dict[str, int] = field(default_factory=dict)  # every file of the checkpoint, with its size at save
 
     def to_json(self) -> dict[str, Any]:

@@ -46,6 +46,7 @@ class Summary:
     objective: float | None = None
     # What training learnt about the job: absent from the file until known (LEARNT).
     optimizer: str | None = None  # the optimizer class DeepSpeed stepped (DeepSpeedCPUAdam, AdamW, ...)
+    param_groups: list[dict[str, Any]] | None = None  # the optimizer's groups: name, lr, weight_decay, params
     params_total: int | None = None
     params_trainable: int | None = None
     trainable_fraction: float | None = None

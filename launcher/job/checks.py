@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from launcher.config.groups import PARTS, check_schedule, group_specs
 from launcher.config.precision import Device
 from launcher.config.ranges import usable_cores
 from launcher.config.schema import Config, DataConfig, DistConfig, ModelConfig
@@ -24,8 +25,9 @@ from launcher.data.formats import looks_like_hub_id
 from launcher.data.records import INDEX_DIR, data_sources, read_data, require_one_global_batch
 from launcher.data.stream import stream_files
 from launcher.job.spec import Job
+from launcher.model.groups import assign
 from launcher.model.loading import check_pixel_limits, read_config, resolve_attn_implementation
-from launcher.model.method import check_adapter_targets, check_method, uses_adapters
+from launcher.model.method import apply_method, check_adapter_targets, check_method, uses_adapters
 from launcher.model.stats import fewest_image_tokens, frozen_meta_model, model_dir, pack_length
 
 log = logging.getLogger("launcher")
@@ -45,9 +47,26 @@ def check_inputs(config: Config, job: Job, *, launching: bool) -> None:
     check_method(config, job.device.kind, launching=launching)
     if uses_adapters(config.method):
         check_adapter_targets(frozen_meta_model(config), config)
+    check_groups(config, job.ds_config)
     check_model_choices(config, job.device.kind, job.precision, launching=launching)
     if launching:
         check_local_ranks(config.dist, job.device.kind)
+
+
+def check_groups(config: Config, ds_config: dict[str, Any]) -> None:
+    """Each group of train.groups holds a trainable parameter of the model as the job trains it (on the meta
+    device, frozen and adapted), none is held by two, and the scheduler keeps their rates."""
+    specs = group_specs(config.train.groups)
+    if not specs:
+        return
+    check_schedule(specs, ds_config)
+    model = frozen_meta_model(config)
+    if uses_adapters(config.method):
+        model = apply_method(model, config.method, config.model)
+    why = [f"model.freeze_{part}=true" for part in PARTS[:3] if getattr(config.model, f"freeze_{part}")]
+    if uses_adapters(config.method):
+        why.append(f"method={config.method.name}")
+    assign(model, specs, why_frozen=f" ({', '.join(why)})" if why else "")
 
 
 def detect_device() -> Device:

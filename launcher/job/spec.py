@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from launcher.config.groups import describe_groups, group_specs
 from launcher.config.precision import Device, labelled_choices, offload_of, precision_of
 from launcher.config.schema import Config, from_plain, plain
 from launcher.core import credentials
@@ -177,11 +178,12 @@ class Job:
         """The line a run starts with: what the launcher decided, read from the final dict."""
         ds = self.ds_config
         ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
+        rates = describe_groups(group_specs(self.config.train.groups), float(ds["optimizer"]["params"]["lr"]))
         return (
             f"job: {self.config.model.name} ({self.config.method.name}) on {ranks} ({self.device.kind}), "
             f"ZeRO {self.zero_stage}, offload {offload_of(ds)}, {self.precision}; batch {ds['train_batch_size']} "
             f"= {ds['train_micro_batch_size_per_gpu']} per rank x {ds.get('gradient_accumulation_steps', 1)} "
-            f"accumulated x {ranks}; run dir {self.hydra.run_dir}"
+            f"accumulated x {ranks}; {rates + '; ' if rates else ''}run dir {self.hydra.run_dir}"
         )
 
     def replace(self, **changes: Any) -> Job:

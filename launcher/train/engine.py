@@ -14,10 +14,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from launcher.config.groups import DEFAULT_GROUP, group_specs
 from launcher.core.logs import quiet_transformers
 from launcher.core.summary import Summary
 from launcher.job.spec import Job
 from launcher.model.components import apply_freeze, enable_gradient_checkpointing
+from launcher.model.groups import OptimizerGroup, optimizer_groups
 from launcher.model.loading import load_model_and_processor, resolve_attn_implementation
 from launcher.model.method import apply_method, parameter_counts, quantization_config
 from launcher.train import ops
@@ -35,6 +37,10 @@ class Engine:
     processor: Any
     dtype: torch.dtype  # what floating inputs (pixels) are cast to
     grad_norm: GradNormSource
+    groups: tuple[OptimizerGroup, ...] = ()  # the optimizer's groups, in its order (launcher.model.groups)
+    base_lr: float = 0.0  # the optimizer block's rate, which train.groups' rates are set against
+    # The trainable parameters' names (the engine's module's) in the optimizer's order: its state's indices.
+    param_names: tuple[str, ...] = ()
 
     @property
     def micro(self) -> int:
@@ -47,6 +53,21 @@ class Engine:
     @property
     def zero_stage(self) -> int:
         return int(self.engine.zero_optimization_stage())
+
+    def applied_rates(self) -> dict[str, float]:
+        """The rates the next update applies: `train/lr`, the schedule's rate for train.lr, and with
+        train.groups one `train/lr/NAME` per configured group (read from the optimizer DeepSpeed steps)."""
+        rates = [float(rate) for rate in self.engine.get_lr()]
+        if len(rates) != len(self.groups):  # not built by build_engine
+            return {"train/lr": rates[0]}
+        # Every group's rate follows the one schedule: train.lr's, from a group with a non-zero rate.
+        paired = [(rate, group.lr) for rate, group in zip(rates, self.groups, strict=True) if group.lr]
+        rate, built = paired[0] if paired else (0.0, 1.0)
+        metrics = {"train/lr": rate if built == self.base_lr else self.base_lr * rate / built}
+        if any(group.group != DEFAULT_GROUP for group in self.groups):
+            for rate, group in zip(rates, self.groups, strict=True):
+                metrics[f"train/lr/{group.group}"] = rate
+        return metrics
 
 
 def build_engine(job: Job, rank: Rank, summary: Summary) -> Engine:
@@ -61,19 +82,47 @@ def build_engine(job: Job, rank: Rank, summary: Summary) -> Engine:
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
     seed_everything(int(job.config.train.seed))
     model, processor = load_model(job, rank, ds_config, summary)
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = ds_config["optimizer"]["params"]
+    param_groups, groups = optimizer_groups(
+        model,
+        group_specs(job.config.train.groups),
+        lr=float(optimizer["lr"]),
+        weight_decay=None if optimizer.get("weight_decay") is None else float(optimizer["weight_decay"]),
+        decay_norms_and_biases=bool(job.config.train.decay_norms_and_biases),
+    )
+    # Before deepspeed.initialize, which replaces the groups' parameters with its flat partitions (ZeRO-1/2).
+    names = {id(param): name for name, param in model.named_parameters()}  # the engine's module is `model`
+    ordered = tuple(names[id(param)] for group in param_groups for param in group["params"])
     fallback = ops.optimizer_fallback(ds_config)  # on every rank: each loads (or builds) the op itself
     if fallback and rank.is_main:
         log.warning(fallback)
-    engine, _, _, scheduler = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config)
+    engine, _, _, scheduler = deepspeed.initialize(model=model, model_parameters=param_groups, config=ds_config)
     start_warm_up_at_step_one(scheduler)
     built = Engine(engine, scheduler, processor, engine_dtype(engine), GradNormSource(engine))
+    built.groups, built.base_lr, built.param_names = tuple(groups), float(optimizer["lr"]), ordered
+    summary.param_groups = groups_in_use(engine, scheduler, groups)
     summary.optimizer = type(getattr(engine, "basic_optimizer", None) or engine.optimizer).__name__
     summary.zero_stage = built.zero_stage
     summary.world_size = rank.world_size
     summary.precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(built.dtype, "fp32")
     summary.params_held_per_rank = params_held_per_rank(engine, rank.device)
     return built
+
+
+def groups_in_use(engine: Any, scheduler: Any, built: list[OptimizerGroup]) -> list[dict[str, Any]]:
+    """The optimizer's groups as DeepSpeed holds them once initialised (the optimizer it steps, at every
+    ZeRO stage and offload): name, the peak rate its schedule scales, weight decay, and elements."""
+    peaks = getattr(scheduler, "org_lrs", None)  # WarmupCosineLR's; a fixed rate is the group's own
+    elements = {group.name: group.params for group in built}
+    return [
+        {
+            "name": group.get("name"),
+            "lr": float(peaks[index] if peaks is not None else group["lr"]),
+            "weight_decay": group.get("weight_decay"),
+            "params": elements.get(group.get("name")),
+        }
+        for index, group in enumerate(engine.optimizer.param_groups)
+    ]
 
 
 def start_warm_up_at_step_one(scheduler: Any) -> None:

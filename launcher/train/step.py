@@ -145,7 +145,7 @@ def train_step(engine: Engine, data: Data, rank: Rank, state: StepState, step: i
     wait = loss_sum = 0.0
     work = Work()
     grad_norm = math.nan
-    applied_lr = float(ds.get_lr()[0])  # the rate this step's update applies (the scheduler steps after it)
+    applied_rates = engine.applied_rates()  # what this step's update applies (the scheduler steps after it)
     fetch_start = time.perf_counter()
     batches = [next(data.batches) for _ in range(engine.accum)]
     wait += time.perf_counter() - fetch_start
@@ -178,7 +178,7 @@ def train_step(engine: Engine, data: Data, rank: Rank, state: StepState, step: i
     state.last_loss = step_loss
     metrics = {
         "train/loss": step_loss,
-        "train/lr": applied_lr,
+        **applied_rates,
         "train/grad_norm": engine.grad_norm.of_step(ds, grad_norm),
         "perf/samples_per_sec": samples / step_time,
         **work.metrics(step_time, state.peak_flops, rank.world_size),

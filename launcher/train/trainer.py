@@ -28,7 +28,7 @@ from typing import Any
 
 from launcher.config.schema import OBJECTIVES, plain
 from launcher.core import credentials, logs
-from launcher.core.checkpoints import CheckpointMarker, lr_schedule_of
+from launcher.core.checkpoints import CheckpointMarker, lr_schedule_of, read_marker
 from launcher.core.errors import LauncherError, TrainingFailed, one_line
 from launcher.core.rank_errors import record_rank_error, step_failure
 from launcher.core.rundir import RunDir
@@ -208,7 +208,8 @@ def checkpoint_marker(job: Job, engine: Engine, rank: Rank, summary: Summary) ->
         micro_batch=engine.micro,
         offload_optimizer=job.offload_optimizer or "none",
         lr_schedule=lr_schedule_of(job.ds_config),
-        param_names=[name for name, param in engine.engine.module.named_parameters() if param.requires_grad],
+        param_names=list(engine.param_names),
+        param_groups=[[group.name, group.params] for group in engine.groups],
     )
 
 
@@ -225,7 +226,11 @@ def resume(
     if job.resume is None:
         return 0, None
     tag, reshard = job.resume.tag, job.resume.reshard
+    check_same_groups(read_marker(run_dir, tag), engine, run_dir)
     start_step, position, rng = checkpoint.load(engine.engine, run_dir, tag, reshard)
+    for group, built in zip(engine.engine.optimizer.param_groups, engine.groups, strict=True):
+        if built.weight_decay is not None:  # the checkpoint restored its own; this job's config decides
+            group["weight_decay"] = built.weight_decay
     data.position.epoch, data.position.batches = position.epoch, position.batches
     data.position.records = position.records  # a stream's place (the same world size: job.reshard)
     if reshard is not None:
@@ -243,6 +248,19 @@ def resume(
         checkpoint.truncate_metrics(run_dir, start_step)
         log.info("resumed from %s at step %d", run_dir.checkpoint(tag), start_step)
     return start_step, rng
+
+
+def check_same_groups(marker: CheckpointMarker, engine: Engine, run_dir: RunDir) -> None:
+    """The optimizer's state is saved per group: a resume needs the groups it was saved with (their rates
+    and weight decay may change; the schedule and this job's config set those)."""
+    now = [[group.name, group.params] for group in engine.groups]
+    if marker.param_groups is not None and marker.param_groups != now:
+        saved = ", ".join(str(name) for name, _ in marker.param_groups)
+        raise LauncherError(
+            f"cannot resume {run_dir.checkpoint(marker.tag)}: its optimizer groups ({saved}) differ from this "
+            f"job's ({', '.join(name for name, _ in now)}): train.groups, train.decay_norms_and_biases or "
+            "train.weight_decay (zero or not) changed; resume with the groups it was saved with, or start a new run"
+        )
 
 
 def save(run: Run, step: int) -> None:

@@ -186,6 +186,21 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_one_before_it_resumed(save
     assert (run_dir / "summary.json").read_bytes() == finished
 
 
+def test_a_resume_with_other_optimizer_groups_is_refused_by_the_rank_in_one_line(saved_run, train_in_process, tmp_path):
+    """The optimizer's state is saved per group: other groups (train.groups) cannot load it. Found by the rank,
+    before the checkpoint loads; the run is left as it was."""
+    run_dir = copy_of(saved_run, tmp_path / "run")
+    before = (run_dir / "summary.json").read_bytes()
+    refused = train_in_process(f"resume={run_dir}", "train.max_steps=6", "train.groups.vision.lr=0", run_dir=run_dir)
+    assert refused.outcome.exit_code == 2, refused.outcome
+    assert refused.outcome.error == (
+        f"cannot resume {RunDir(run_dir).checkpoint('step4')}: its optimizer groups (default) differ from this "
+        "job's (vision, default): train.groups, train.decay_norms_and_biases or train.weight_decay (zero or not) "
+        "changed; resume with the groups it was saved with, or start a new run"
+    )
+    assert (run_dir / "summary.json").read_bytes() == before
+
+
 # ----------------------------------------------------------------------------- resumes that train
 @pytest.mark.slow
 def test_a_resume_with_more_steps_says_once_that_the_schedule_is_re_stretched(saved_run, train_in_process, tmp_path):

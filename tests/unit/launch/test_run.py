@@ -302,6 +302,49 @@ CASES = [
     ),
     # ------------------------------------------------------------------ knobs that reach DeepSpeed
     Case("lr-infinite", ("train.lr=inf",), "train.lr=inf must be a finite number"),
+    # ------------------------------------------------------------------ parameter groups (train.groups)
+    Case(
+        "group-unknown-part",
+        ("+train.groups.visoin.lr=1e-5",),
+        "train.groups.visoin is no part of the model (vision, projector, language, adapters): give it a regex",
+    ),
+    Case("group-unknown-setting", ("+train.groups.vision.lrr=1e-5",), "train.groups.vision.lrr is no group setting"),
+    Case(
+        "group-lr-and-scale",
+        ("train.groups.vision.lr=1e-5", "train.groups.vision.lr_scale=2"),
+        "train.groups.vision sets both lr and lr_scale: give one",
+    ),
+    Case("group-negative-rate", ("train.groups.projector.lr=-1",), "train.groups.projector.lr=-1 must be a finite"),
+    Case(
+        "group-frozen-part",
+        ("model.freeze_vision=true", "train.groups.vision.lr=1e-5"),
+        "train.groups.vision: nothing in the vision part trains (model.freeze_vision=true); drop the group",
+    ),
+    Case(
+        "group-part-lora-leaves-frozen",
+        ("method=lora", "train.groups.vision.lr=1e-5"),
+        "train.groups.vision: nothing in the vision part trains (method=lora); drop the group",
+    ),
+    Case(
+        "group-adapters-without-lora",
+        ("train.groups.adapters.lr=1e-4",),
+        "train.groups.adapters: nothing in the adapters part trains; drop the group",
+    ),
+    Case(
+        "group-match-nothing",
+        ("+train.groups.heads.match=.*lm_heed.*", "+train.groups.heads.lr=1e-5"),
+        "train.groups.heads: no trainable parameter's name matches '.*lm_heed.*'",
+    ),
+    Case(
+        "group-overlap",
+        ("train.groups.language.lr=1e-4", "+train.groups.heads.match=.*lm_head.*", "+train.groups.heads.lr=1e-5"),
+        "train.groups.language and train.groups.heads both hold lm_head.weight: a parameter takes one group's rate",
+    ),
+    Case(
+        "group-match-bad-regex",
+        ("+train.groups.heads.match='['", "+train.groups.heads.lr=1e-5"),
+        "train.groups.heads.match=[ is no regular expression",
+    ),
     Case("betas-out-of-range", ("train.betas=[0.9,1.0]",), "train.betas=[0.9, 1.0] must be two numbers in [0, 1)"),
     Case("dist-timeout-zero", ("dist.timeout_s=0",), "dist.timeout_s=0 must be positive"),
     Case(
@@ -983,3 +1026,20 @@ def test_a_stop_signal_wrapped_by_an_import_is_still_the_stop():
     except RuntimeError as wrapped:
         assert _interruption_behind(wrapped) is stop
     assert _interruption_behind(RuntimeError("a real failure")) is None
+
+
+def test_group_rates_a_users_scheduler_would_undo_are_refused(tmp_path):
+    """DeepSpeed's WarmupLR sets every group to its warmup_max_lr: per-part rates would silently vanish."""
+    path = tmp_path / "ds.json"
+    scheduler = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10}}
+    path.write_text(json.dumps({"scheduler": scheduler}))
+    ran = run_here(
+        [f"deepspeed_json={path}", "train.groups.vision.lr=1e-5", "dry_run=true", "logger=none"], tmp_path / "run"
+    )
+    assert_one_clear_error(
+        ran,
+        "train.groups.vision sets its own learning rate, but the scheduler WarmupLR sets every group to one rate of "
+        "its own and would undo it: use WarmupCosineLR (the default, which scales each group's rate), or drop the "
+        "group's lr",
+        2,
+    )
