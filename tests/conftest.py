@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two test processes share the machine's cores (`-n 2`): each computes on one thread, and so does every
+    # process it starts (the launcher keeps a set OMP_NUM_THREADS). With OpenMP's spinning threads of both
+    # on two cores, a run of the built-in job took 8x as long.
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path

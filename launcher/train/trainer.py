@@ -122,6 +122,11 @@ def setup(
     if job.config.data.packing:  # sdpa attends record by record in packed rows (launcher.model.packing)
         summary.attn_implementation = use_packed_attention(engine.engine.module)
     data = build_data(job, rank, loaded, engine.processor, engine.zero_stage, run_dir, summary)
+    if data.eval_loader is not None:
+        # Fork its (persistent) workers now, before the steps' collectives run: forked at the first
+        # evaluation, right after a step, a worker hung twice in CPython 3.11's fork (a runtime lock another
+        # thread held at the fork, python/cpython#112275, fixed in 3.12).
+        iter(data.eval_loader)
     marker = checkpoint_marker(job, engine, rank, summary)
     start_step, rng = resume(job, run_dir, rank, engine, data, summary)
     stop = checkpoint.StopRequest(run_dir)

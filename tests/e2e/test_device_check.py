@@ -63,7 +63,7 @@ def test_a_step_past_the_deadline_is_stopped_and_what_finished_is_kept(isolated_
     """The deadline stops a long run; the rows written before it stay, and the check says what it stopped."""
     out = tmp_path / "out"
     result = check(
-        out, "--only", "train", "--train-steps", "100000", "--deadline-s", "60", env=isolated_env, timeout=300
+        out, "--only", "train", "--train-steps", "100000", "--deadline-s", "40", env=isolated_env, timeout=300
     )
     assert result.returncode == 1
     steps = steps_of((out / "summary.md").read_text())

@@ -49,12 +49,35 @@ def _zero(dicts: list[dict[str, Any]]) -> dict[str, Any]:
     return ds["zero_optimization"]
 
 
+def _offloaded_bf16_zero3(dicts: list[dict[str, Any]]) -> bool:
+    zero = _zero(dicts)
+    offloaded = zero["offload_param"]["device"] == zero["offload_optimizer"]["device"] == "cpu"
+    return zero["stage"] == 3 and offloaded and precision_of(dicts[0]) == "bf16"
+
+
 def _shapes(dicts: list[dict[str, Any]]) -> set[tuple[int, str]]:
     return {(ds["zero_optimization"]["stage"], precision_of(ds)) for ds in dicts}
 
 
 # Commands planned only: (a fragment of the README line, where its job trains, what its dicts must say).
 PLANNED: list[tuple[str, str, Callable[[list[dict[str, Any]]], bool]]] = [
+    (
+        "train.py deepspeed=z3_offload precision=bf16",
+        "tests/unit/train/test_trainer.py::test_bf16_with_cpu_offload_trains[z3_offload] trains this job",
+        lambda dicts: _offloaded_bf16_zero3(dicts),
+    ),
+    (
+        "deepspeed_json=examples/ds_z3_offload_config.json precision=bf16",
+        "its shape (ZeRO-3, parameters and optimizer on the CPU, bf16) trains in tests/unit/train/test_trainer.py::"
+        "test_bf16_with_cpu_offload_trains[z3_offload]; here the example file's dict is built and validated",
+        lambda dicts: _offloaded_bf16_zero3(dicts),
+    ),
+    (
+        "data=llava_json data.path=/data/train.json data.image_root=/data/images",
+        "llava-format files with images train in tests/unit/train/test_loaders.py (multi-image, text-only, "
+        "multi-turn records); here this file's records are indexed and the job planned",
+        lambda dicts: len(dicts) == 1,
+    ),
     (
         "+deepspeed_extra.zero_optimization.stage3_max_reuse_distance=1e9",
         "ZeRO-3 on 1 rank trains in tests/e2e/test_sweep.py (fp32) and test_device_check.py (bf16); here the "

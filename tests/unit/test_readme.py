@@ -19,7 +19,7 @@ def test_readme_has_exactly_two_set_up_and_go_commands():
         assert command.startswith("python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0")
         assert "pip install -e '.[dev]'" in command
     assert run.endswith("&& python train.py")
-    assert test.endswith('&& python -m pytest -q -m "not slow" -n 2 && python -m pytest -q -m slow')
+    assert test.endswith('&& python -m pytest -q -m "not slow" -n 2 && python -m pytest -q -m slow -n 2')
 
 
 def test_ci_installs_the_same_way_and_runs_the_readme_test_command():
