@@ -74,7 +74,8 @@ def test_a_stopped_job_resumes_with_the_losses_of_an_uninterrupted_one(train_in_
 def test_a_stop_signal_before_the_handlers_are_in_place_still_ends_the_job_honestly(process_group, tmp_path):
     """A stop that reaches train.py while Hydra starts ends the job as interrupted, with a summary (it used
     to kill the process with only `.lock` written); one that reaches a rank while it starts (torch's import,
-    the model) stops it after its first step, with a checkpoint, as preempted (it used to die unrecorded)."""
+    the model) stops it after its first step, with a checkpoint, as preempted (it used to die unrecorded),
+    and a sweep's next job in the same process does not start."""
 
     def stopped_while_starting(job, run_dir, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)  # what a scheduler sends the whole process group
@@ -89,8 +90,10 @@ def test_a_stop_signal_before_the_handlers_are_in_place_still_ends_the_job_hones
 
     with recording_stop_signals():
         starting = run_here([*JOB, "train.max_steps=4"], tmp_path / "rank", start=stopped_while_starting).outcome
+        after = run_here([*JOB, "train.max_steps=4"], tmp_path / "next", start=train_here).outcome  # a sweep's next
     assert (starting.status, starting.exit_code) == ("preempted", 143), starting.error
     assert read_summary(tmp_path / "rank")["steps"] == 1 and RunDir(tmp_path / "rank").marker("step1").is_file()
+    assert (after.status, after.exit_code) == ("interrupted", 143)  # the stop holds for the rest of the process
 
 
 def test_a_streamed_job_resumes_mid_block_with_the_losses_of_an_uninterrupted_one(train_in_process, tmp_path, caplog):
