@@ -122,11 +122,6 @@ def setup(
     if job.config.data.packing:  # sdpa attends record by record in packed rows (launcher.model.packing)
         summary.attn_implementation = use_packed_attention(engine.engine.module)
     data = build_data(job, rank, loaded, engine.processor, engine.zero_stage, run_dir, summary)
-    if data.eval_loader is not None:
-        # Fork its (persistent) workers now, before the steps' collectives run: forked at the first
-        # evaluation, right after a step, a worker hung twice in CPython 3.11's fork (a runtime lock another
-        # thread held at the fork, python/cpython#112275, fixed in 3.12).
-        iter(data.eval_loader)
     marker = checkpoint_marker(job, engine, rank, summary)
     start_step, rng = resume(job, run_dir, rank, engine, data, summary)
     stop = checkpoint.StopRequest(run_dir)
@@ -214,7 +209,7 @@ def checkpoint_marker(job: Job, engine: Engine, rank: Rank, summary: Summary) ->
         offload_optimizer=job.offload_optimizer or "none",
         lr_schedule=lr_schedule_of(job.ds_config),
         param_names=list(engine.param_names),
-        param_groups=[[group.name, group.params] for group in engine.groups],
+        param_groups=engine.group_layout(),
     )
 
 
@@ -258,7 +253,7 @@ def resume(
 def check_same_groups(marker: CheckpointMarker, engine: Engine, run_dir: RunDir) -> None:
     """The optimizer's state is saved per group: a resume needs the groups it was saved with (their rates
     and weight decay may change; the schedule and this job's config set those)."""
-    now = [[group.name, group.params] for group in engine.groups]
+    now = engine.group_layout()
     if marker.param_groups is not None and marker.param_groups != now:
         saved = ", ".join(str(name) for name, _ in marker.param_groups)
         raise LauncherError(
