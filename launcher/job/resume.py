@@ -114,7 +114,7 @@ def continued(cfg: DictConfig, hydra: HydraJob) -> Continued | None:
 
 _ENV_SET = "hydra.job.env_set."
 # Hydra overrides that say where and how this job runs, not what it is: never replayed, never mentioned.
-_PLACEMENT = ("hydra.run.dir", "hydra.mode", "hydra.sweep.", "hydra.job.env_set.")
+_PLACEMENT = ("hydra.run.dir", "hydra.mode", "hydra.sweep.")
 
 
 def _replayed_hydra_settings(run_dir: RunDir, hydra: HydraJob, value: str) -> tuple[dict[str, str], list[str]]:

@@ -54,6 +54,10 @@ class Engine:
     def zero_stage(self) -> int:
         return int(self.engine.zero_optimization_stage())
 
+    def group_layout(self) -> list[list[Any]]:
+        """[name, elements] of each optimizer group: what a checkpoint's optimizer state is saved by."""
+        return [[group.name, group.params] for group in self.groups]
+
     def applied_rates(self) -> dict[str, float]:
         """The rates the next update applies: `train/lr`, the schedule's rate for train.lr, and with
         train.groups one `train/lr/NAME` per configured group (read from the optimizer DeepSpeed steps)."""
