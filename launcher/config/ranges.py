@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from launcher.config.groups import group_specs
+from launcher.config.stages import TRAINABLE, plan_stages
 from launcher.core.errors import LauncherError
 
 WORKERS_PER_CORE = 4  # DataLoader workers beyond this many per usable core only add processes
@@ -311,6 +312,24 @@ def _warmup(cfg: Any) -> None:
         )
 
 
+def _stages(cfg: Any) -> None:
+    given = getattr(cfg.train, "stages", None)
+    if given is None:
+        return
+    if str(cfg.method.name) != "full":
+        raise LauncherError(
+            f"train.stages with method={cfg.method.name}: a stage schedule trains parts of the model itself; "
+            "with adapters, train in separate jobs (or use method=full)"
+        )
+    if getattr(cfg.data, "streaming", False):
+        raise LauncherError(
+            "train.stages with data.streaming=true: each stage reads the data from its start, which a stream "
+            "cannot; use the indexed data (data.streaming=false) or separate jobs"
+        )
+    frozen = {part: bool(getattr(cfg.model, f"freeze_{part}")) for part in TRAINABLE}
+    plan_stages(given, max_steps=cfg.train.max_steps, frozen=frozen, warmup_steps=cfg.train.warmup_steps)
+
+
 # In the order a config with several mistakes reports them: what the model is, the rest of the job,
 # then the training knobs (relations last), then the tuner's.
 CHECKS: tuple[_Rule, ...] = (
@@ -326,5 +345,6 @@ CHECKS: tuple[_Rule, ...] = (
     _Rule("train", _warmup),
     _range_rule(TRAIN_RANGES[-1]),  # min_lr_ratio
     _Rule("train", lambda cfg: group_specs(cfg.train.groups)),
+    _Rule("train", _stages),
     *(_range_rule(row) for row in TUNE_RANGES),
 )

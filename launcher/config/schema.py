@@ -158,6 +158,9 @@ class TrainConfig:
     # because OmegaConf cannot add a typed entry from a dotted override, and checked by launcher.config.ranges.
     groups: dict[str, Any] = MISSING
     decay_norms_and_biases: bool = MISSING
+    # [{steps, train, lr, lr_scale, name}]: what trains when, in one run (launcher.config.stages); untyped
+    # for the same reason, checked by launcher.config.ranges.
+    stages: Any = MISSING
 
 
 @dataclass

@@ -57,6 +57,9 @@ class CheckpointMarker:
     param_names: list[str] | None = None
     # The optimizer's groups (launcher.model.groups): [name, elements] each; its state is saved per group.
     param_groups: list[list[Any]] | None = None
+    # train.stages as planned (launcher.config.stages.Stage.to_json each), and the stage this step trained in.
+    stages: list[dict[str, Any]] | None = None
+    stage: str | None = None
     files: dict[str, int] = field(default_factory=dict)  # every file of the checkpoint, with its size at save
 
     def to_json(self) -> dict[str, Any]:

@@ -149,6 +149,10 @@ class RunDir:
     def model(self) -> Path:
         return self.path / "model"
 
+    def stage_model(self, stage: str) -> Path:
+        """The model a stage of train.stages ended with (Hugging Face format): where the next one starts."""
+        return self.path / "stages" / stage
+
     @property
     def skipped_records(self) -> Path:
         return self.path / "skipped_records.jsonl"

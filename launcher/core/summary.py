@@ -47,6 +47,8 @@ class Summary:
     # What training learnt about the job: absent from the file until known (LEARNT).
     optimizer: str | None = None  # the optimizer class DeepSpeed stepped (DeepSpeedCPUAdam, AdamW, ...)
     param_groups: list[dict[str, Any]] | None = None  # the optimizer's groups: name, lr, weight_decay, params
+    # train.stages: each stage (name, steps, train, lr, lr_scale) with its optimizer's groups once it began.
+    stages: list[dict[str, Any]] | None = None
     params_total: int | None = None
     params_trainable: int | None = None
     trainable_fraction: float | None = None

@@ -18,6 +18,7 @@ from launcher.config.groups import PARTS, check_schedule, group_specs
 from launcher.config.precision import Device
 from launcher.config.ranges import usable_cores
 from launcher.config.schema import Config, DataConfig, DistConfig, ModelConfig
+from launcher.config.stages import Stage, stage_config
 from launcher.core.errors import LauncherError
 from launcher.core.rundir import directory_problem
 from launcher.data.estimate import index_cost
@@ -25,9 +26,10 @@ from launcher.data.formats import looks_like_hub_id
 from launcher.data.records import INDEX_DIR, data_sources, read_data, require_one_global_batch
 from launcher.data.stream import stream_files
 from launcher.job.spec import Job
-from launcher.model.groups import assign
+from launcher.model.components import base_model
+from launcher.model.groups import assign, stage_specs
 from launcher.model.loading import check_pixel_limits, read_config, resolve_attn_implementation
-from launcher.model.method import apply_method, check_adapter_targets, check_method, uses_adapters
+from launcher.model.method import apply_method, check_adapter_targets, check_method, component_paths, uses_adapters
 from launcher.model.stats import fewest_image_tokens, frozen_meta_model, model_dir, pack_length
 
 log = logging.getLogger("launcher")
@@ -47,26 +49,39 @@ def check_inputs(config: Config, job: Job, *, launching: bool) -> None:
     check_method(config, job.device.kind, launching=launching)
     if uses_adapters(config.method):
         check_adapter_targets(frozen_meta_model(config), config)
-    check_groups(config, job.ds_config)
+    check_groups(config, job.ds_config, job.stages)
     check_model_choices(config, job.device.kind, job.precision, launching=launching)
     if launching:
         check_local_ranks(config.dist, job.device.kind)
 
 
-def check_groups(config: Config, ds_config: dict[str, Any]) -> None:
+def check_groups(config: Config, ds_config: dict[str, Any], stages: tuple[Stage, ...] = ()) -> None:
     """Each group of train.groups holds a trainable parameter of the model as the job trains it (on the meta
-    device, frozen and adapted), none is held by two, and the scheduler keeps their rates."""
+    device, frozen and adapted), none is held by two, and the scheduler keeps their rates. With train.stages:
+    every stage trains something, and each stage's groups hold what trains in it."""
     specs = group_specs(config.train.groups)
-    if not specs:
+    if not specs and not stages:
         return
     check_schedule(specs, ds_config)
-    model = frozen_meta_model(config)
-    if uses_adapters(config.method):
-        model = apply_method(model, config.method, config.model)
-    why = [f"model.freeze_{part}=true" for part in PARTS[:3] if getattr(config.model, f"freeze_{part}")]
-    if uses_adapters(config.method):
-        why.append(f"method={config.method.name}")
-    assign(model, specs, why_frozen=f" ({', '.join(why)})" if why else "")
+    for stage in stages or (None,):
+        staged = config if stage is None else stage_config(config, stage)
+        model = frozen_meta_model(staged)
+        if uses_adapters(config.method):
+            model = apply_method(model, config.method, config.model)
+        if stage is not None:
+            paths = component_paths(base_model(model))
+            missing = [part for part in stage.train if part not in paths]
+            if missing:
+                raise LauncherError(
+                    f"train.stages[{stage.index}] ({stage.name}) trains {missing[0]}, which this model has no module "
+                    f"for (it has {', '.join(paths) or 'none of them'}): name the parts it has"
+                )
+        why = [f"model.freeze_{part}=true" for part in PARTS[:3] if getattr(staged.model, f"freeze_{part}")]
+        if stage is not None:
+            why = [f"train.stages[{stage.index}] trains {' + '.join(stage.train)} only"]
+        if uses_adapters(config.method):
+            why.append(f"method={config.method.name}")
+        assign(model, stage_specs(specs, stage), why_frozen=f" ({', '.join(why)})" if why else "")
 
 
 def detect_device() -> Device:

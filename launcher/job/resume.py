@@ -32,6 +32,7 @@ from omegaconf import DictConfig, open_dict
 
 from launcher.config.compose import compose, without_hydra
 from launcher.config.schema import Config, plain
+from launcher.config.stages import check_schedule_kept, stage_at, stage_ds_config
 from launcher.core import credentials
 from launcher.core.checkpoints import (
     CheckpointMarker,
@@ -228,9 +229,16 @@ def decide(config: Config, job: Job, *, warn: Callable[[str], None]) -> ResumePl
             "data": plain(config.data),
         },
     )
+    stages = job.stages
+    problem = check_schedule_kept(marker.stages, stages, marker.step)
+    if problem is not None:
+        raise LauncherError(f"cannot resume {run_dir.checkpoint(tag)}: {problem}")
     resume = Resume(tag, reshard)
     finished = _finished(run_dir, marker, job.max_steps, tag)
-    change = schedule_change(marker, job.ds_config)
+    ds = job.ds_config  # the schedule the checkpoint's steps continue on: with stages, its stage's own
+    if stages:
+        ds = stage_ds_config(ds, plain(config.train), stage_at(stages, marker.step))
+    change = schedule_change(marker, ds)
     return ResumePlan(resume=resume, finished=finished, notes=() if change is None else (change,))
 
 

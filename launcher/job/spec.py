@@ -20,6 +20,7 @@ from typing import Any
 from launcher.config.groups import describe_groups, group_specs
 from launcher.config.precision import Device, labelled_choices, offload_of, precision_of
 from launcher.config.schema import Config, from_plain, plain
+from launcher.config.stages import TRAINABLE, Stage, plan_stages
 from launcher.core import credentials
 from launcher.core.json_files import read_json
 from launcher.core.rundir import RunDir
@@ -156,6 +157,13 @@ class Job:
         return int(self.config.train.max_steps)
 
     @property
+    def stages(self) -> tuple[Stage, ...]:
+        """train.stages as planned over train.max_steps (launcher.config.stages); () without a schedule."""
+        train, model = self.config.train, self.config.model
+        frozen = {part: bool(getattr(model, f"freeze_{part}")) for part in TRAINABLE}
+        return plan_stages(train.stages, max_steps=self.max_steps, frozen=frozen, warmup_steps=train.warmup_steps)
+
+    @property
     def labels(self) -> dict[str, Any]:
         """The group choices that say what the dict trains with (launcher.config.precision.labelled_choices):
         job.json's "choices", which summary.json, the comparison and W&B's tags read."""
@@ -178,7 +186,10 @@ class Job:
         """The line a run starts with: what the launcher decided, read from the final dict."""
         ds = self.ds_config
         ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
-        rates = describe_groups(group_specs(self.config.train.groups), float(ds["optimizer"]["params"]["lr"]))
+        base_lr = float(ds["optimizer"]["params"]["lr"])
+        rates = describe_groups(group_specs(self.config.train.groups), base_lr)
+        if self.stages:
+            rates = (rates + "; " if rates else "") + "stages " + ", ".join(s.describe(base_lr) for s in self.stages)
         return (
             f"job: {self.config.model.name} ({self.config.method.name}) on {ranks} ({self.device.kind}), "
             f"ZeRO {self.zero_stage}, offload {offload_of(ds)}, {self.precision}; batch {ds['train_batch_size']} "
@@ -205,6 +216,7 @@ class Job:
             "resume": None if self.resume is None else self.resume.to_json(),
             # Derived, for people and tools reading the file (not read back).
             "precision": self.precision,
+            "stages": [stage.to_json() for stage in self.stages],
             "zero_stage": self.zero_stage,
             "max_steps": self.max_steps,
             "choices": self.labels,

@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from launcher.config.groups import DEFAULT_GROUP, GroupSpec
+from launcher.config.stages import Stage
 from launcher.core.errors import LauncherError
 from launcher.model.components import base_model
 from launcher.model.method import component_of, component_paths
@@ -88,6 +89,13 @@ def assign(model: nn.Module, specs: list[GroupSpec], *, why_frozen: str = "") ->
             )  # fmt: skip
             raise LauncherError(f"train.groups.{spec.name}: {what}; drop the group or change what trains")
     return held
+
+
+def stage_specs(specs: list[GroupSpec], stage: Stage | None) -> list[GroupSpec]:
+    """The groups that apply within a stage: a part's group while that part trains, every regex group."""
+    if stage is None:
+        return specs
+    return [spec for spec in specs if spec.match is not None or spec.name in stage.train]
 
 
 def optimizer_groups(

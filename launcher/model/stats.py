@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.config.schema import Config
+from launcher.config.stages import parts_by_stage, training_parts
 from launcher.core.errors import LauncherError, one_line
 from launcher.data.records import read_data
 from launcher.data.stream import VOCABULARY_RECORDS, stream_head
@@ -102,8 +103,24 @@ def frozen_meta_model(cfg: Config):
     return model
 
 
+def heaviest_stage(cfg: Config, *, path: str | None = None) -> tuple[str, ...] | None:
+    """What the stage of train.stages that trains the most parameters trains (a tie: the later stage);
+    None without stages. The planner, preflight and the tuner plan that stage."""
+    stages = parts_by_stage(getattr(cfg.train, "stages", None))
+    if not stages:
+        return None
+    trainable = [model_stats(training_parts(cfg, parts), path=path).trainable for parts in stages]
+    return stages[max(reversed(range(len(stages))), key=trainable.__getitem__)]
+
+
 def model_stats(cfg: Config, *, path: str | None = None) -> ModelStats:
-    """Build the model on the meta device from its config and count what the estimates need."""
+    """Build the model on the meta device from its config and count what the estimates need.
+
+    With train.stages, the stage that trains the most parameters: the one that needs the most memory (its
+    optimizer states and gradients; activations are kept for what trains)."""
+    parts = heaviest_stage(cfg, path=path)
+    if parts is not None:
+        return model_stats(training_parts(cfg, parts), path=path)
 
     path = path or model_dir(cfg)
     config, model = meta_model(cfg, path)

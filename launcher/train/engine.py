@@ -15,11 +15,13 @@ import numpy as np
 import torch
 
 from launcher.config.groups import DEFAULT_GROUP, group_specs
+from launcher.config.schema import plain
+from launcher.config.stages import TRAINABLE, Stage, stage_ds_config
 from launcher.core.logs import quiet_transformers
 from launcher.core.summary import Summary
 from launcher.job.spec import Job
 from launcher.model.components import apply_freeze, enable_gradient_checkpointing
-from launcher.model.groups import OptimizerGroup, optimizer_groups
+from launcher.model.groups import OptimizerGroup, optimizer_groups, stage_specs
 from launcher.model.loading import load_model_and_processor, resolve_attn_implementation
 from launcher.model.method import apply_method, parameter_counts, quantization_config
 from launcher.train import ops
@@ -41,6 +43,8 @@ class Engine:
     base_lr: float = 0.0  # the optimizer block's rate, which train.groups' rates are set against
     # The trainable parameters' names (the engine's module's) in the optimizer's order: its state's indices.
     param_names: tuple[str, ...] = ()
+    ds_config: dict[str, Any] | None = None  # the dict it was initialised with (a stage's own, with train.stages)
+    path: str | None = None  # where its weights were loaded from
 
     @property
     def micro(self) -> int:
@@ -74,22 +78,29 @@ class Engine:
         return metrics
 
 
-def build_engine(job: Job, rank: Rank, summary: Summary) -> Engine:
+def build_engine(
+    job: Job, rank: Rank, summary: Summary, *, stage: Stage | None = None, path: str | None = None
+) -> Engine:
     """Seed, load the model, hand it to `deepspeed.initialize` with the job's dict; what it learns about
-    the model goes into `summary`."""
+    the model goes into `summary`.
+
+    With train.stages, the engine of one `stage`, as a job of that stage alone would build it: its parts
+    train, its rate and schedule, the model from `path` (the weights the stage before ended with)."""
     import deepspeed
 
     ds_config = dict(job.ds_config)
+    if stage is not None:
+        ds_config = stage_ds_config(ds_config, plain(job.config.train), stage)
     reshard = job.resume.reshard if job.resume else None
     if reshard is not None and reshard.converts and reshard.zero_stage > 0:
         # A load-time switch only (DeepSpeed reads the checkpoint's universal copy); ds_config.json stays the job's.
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
     seed_everything(int(job.config.train.seed))
-    model, processor = load_model(job, rank, ds_config, summary)
+    model, processor = load_model(job, rank, ds_config, summary, stage=stage, path=path)
     optimizer = ds_config["optimizer"]["params"]
     param_groups, groups = optimizer_groups(
         model,
-        group_specs(job.config.train.groups),
+        stage_specs(group_specs(job.config.train.groups), stage),
         lr=float(optimizer["lr"]),
         weight_decay=None if optimizer.get("weight_decay") is None else float(optimizer["weight_decay"]),
         decay_norms_and_biases=bool(job.config.train.decay_norms_and_biases),
@@ -104,6 +115,7 @@ def build_engine(job: Job, rank: Rank, summary: Summary) -> Engine:
     start_warm_up_at_step_one(scheduler)
     built = Engine(engine, scheduler, processor, engine_dtype(engine), GradNormSource(engine))
     built.groups, built.base_lr, built.param_names = tuple(groups), float(optimizer["lr"]), ordered
+    built.ds_config, built.path = ds_config, str(path or job.model_path)
     summary.param_groups = groups_in_use(engine, scheduler, groups)
     summary.optimizer = type(getattr(engine, "basic_optimizer", None) or engine.optimizer).__name__
     summary.zero_stage = built.zero_stage
@@ -111,6 +123,18 @@ def build_engine(job: Job, rank: Rank, summary: Summary) -> Engine:
     summary.precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(built.dtype, "fp32")
     summary.params_held_per_rank = params_held_per_rank(engine, rank.device)
     return built
+
+
+def release(engine: Engine) -> None:
+    """Let an engine go before another is built (the next stage of train.stages): DeepSpeed's hooks and
+    buffers, then the model, optimizer states and gradients it held."""
+    import gc
+
+    engine.engine.destroy()
+    engine.engine = engine.scheduler = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def groups_in_use(engine: Any, scheduler: Any, built: list[OptimizerGroup]) -> list[dict[str, Any]]:
@@ -143,10 +167,23 @@ def start_warm_up_at_step_one(scheduler: Any) -> None:
         scheduler.step()
 
 
-def load_model(job: Job, rank: Rank, ds_config: dict[str, Any], summary: Summary) -> tuple[Any, Any]:
+def load_model(
+    job: Job,
+    rank: Rank,
+    ds_config: dict[str, Any],
+    summary: Summary,
+    *,
+    stage: Stage | None = None,
+    path: str | None = None,
+) -> tuple[Any, Any]:
     """The model as it trains (frozen parts frozen, adapters added, checkpointing on) and its processor,
-    from the path the launcher resolved (a tiny model was built there before any rank started)."""
+    from the path the launcher resolved (a tiny model was built there before any rank started), or from
+    `path`; a `stage` of train.stages decides what is frozen."""
     model_cfg, method = job.config.model, job.config.method
+    path = path or job.model_path
+    freeze = {part: bool(getattr(model_cfg, f"freeze_{part}")) for part in TRAINABLE}
+    if stage is not None:
+        freeze = stage.freeze()
     # At ZeRO-3 transformers must know the DeepSpeed config before the model is built, so that
     # from_pretrained partitions the weights at construction instead of materialising them per rank.
     hf_ds_config = None
@@ -164,7 +201,7 @@ def load_model(job: Job, rank: Rank, ds_config: dict[str, Any], summary: Summary
             extra["device_map"] = {"": rank.device}
     quiet_transformers()
     model, processor = load_model_and_processor(
-        str(job.model_path),
+        str(path),
         attn_implementation=attention,
         min_pixels=model_cfg.min_pixels,
         max_pixels=model_cfg.max_pixels,
@@ -173,9 +210,7 @@ def load_model(job: Job, rank: Rank, ds_config: dict[str, Any], summary: Summary
     # True when ZeRO-3 partitioned the weights while loading (zero.Init tags each parameter).
     summary.partitioned_at_load = any(hasattr(p, "ds_id") for p in model.parameters())
     model.config.use_cache = False
-    apply_freeze(
-        model, vision=model_cfg.freeze_vision, projector=model_cfg.freeze_projector, language=model_cfg.freeze_language
-    )
+    apply_freeze(model, **freeze)
     enable_gradient_checkpointing(
         model, language=model_cfg.gradient_checkpointing, vision=model_cfg.vision_gradient_checkpointing
     )
@@ -191,7 +226,7 @@ def load_model(job: Job, rank: Rank, ds_config: dict[str, Any], summary: Summary
     if rank.is_main:
         log.info(
             "model %s (%s, attention %s): %d of %d parameters train (%.2f%%); %s",
-            job.model_path,
+            path,
             method.name,
             attention,
             counts["trainable"],

@@ -13,7 +13,7 @@ rows it skips as it meets them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +58,18 @@ class Data:
     eval_loader: Any | None = None
     accuracy_set: Any | None = None  # this rank's share of the exact-match samples
     source_names: list[str] = field(default_factory=list)  # of a mixture (data.sources); empty otherwise
+    restart: Callable[[], Iterator[dict[str, Any]]] | None = None  # `batches` anew, from `position` on
+
+    def start_over(self) -> None:
+        """Training batches from the start of the data again (the next stage of train.stages: as a job of its
+        own would); the loader's workers of the batches so far are shut down."""
+        if self.restart is None:
+            raise LauncherError("this data cannot start over (a stream): train.stages needs data.streaming=false")
+        close = getattr(self.batches, "close", None)
+        if close is not None:
+            close()  # the generator's loader iterator goes with it, and its worker processes
+        self.position.epoch = self.position.batches = self.position.records = 0
+        self.batches = self.restart()
 
     def global_draws(self, batches: int | None = None) -> int:
         """Training samples all ranks drew after `batches` micro-batches each (default: so far)."""
@@ -140,7 +152,11 @@ def _indexed(
     )
     # Each loader draws its workers' seed from a generator of its own, not from the global one (whose
     # restored state a resumed run's extra draws would shift): see launcher.train.checkpoint.batches.
-    built.batches = batches(train_loader, sampler, built.position, micro)
+    # Over the position, not `built`: a cycle through `built` would keep the loader's workers alive past
+    # the rank's end, and the interpreter's exit would wait on them (they ignore SIGTERM).
+    position = built.position
+    built.restart = lambda: batches(train_loader, sampler, position, micro)
+    built.batches = built.restart()
     return built, train_cache
 
 

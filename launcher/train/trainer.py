@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.config.schema import OBJECTIVES, plain
+from launcher.config.stages import Stage, stage_at
 from launcher.core import credentials, logs
 from launcher.core.checkpoints import CheckpointMarker, lr_schedule_of, read_marker
 from launcher.core.errors import LauncherError, TrainingFailed, one_line
@@ -40,7 +41,7 @@ from launcher.model.packing import use_packed_attention
 from launcher.tracking.wandb_run import read_run_id, start_for_job
 from launcher.train import checkpoint
 from launcher.train.distributed import Rank, barrier, destroy, init_distributed
-from launcher.train.engine import Engine, build_engine
+from launcher.train.engine import Engine, build_engine, release
 from launcher.train.evaluate import evaluate, evaluation_due
 from launcher.train.faults import Fault
 from launcher.train.loaders import Data, build_data, check_mixture_position, check_same_dataset, read_records
@@ -71,6 +72,7 @@ class Run:
     started: float  # time.time() when this rank started
     start_step: int = 0
     eval_metrics: dict[str, float] = field(default_factory=dict)
+    stage: Stage | None = None  # the stage of train.stages training now
 
 
 @dataclass
@@ -118,11 +120,11 @@ def setup(
     """Records, engine, loaders, the checkpoint to continue from, outputs: everything the first step needs.
     What must be undone however the run ends goes onto `cleanup`."""
     loaded = read_records(job, rank)
-    engine = build_engine(job, rank, summary)
-    if job.config.data.packing:  # sdpa attends record by record in packed rows (launcher.model.packing)
-        summary.attn_implementation = use_packed_attention(engine.engine.module)
+    stage = starting_stage(job, run_dir)
+    engine = build_engine(job, rank, summary, stage=stage, path=stage_start(job, run_dir, stage))
+    engine_built(job, engine, stage, summary)
     data = build_data(job, rank, loaded, engine.processor, engine.zero_stage, run_dir, summary)
-    marker = checkpoint_marker(job, engine, rank, summary)
+    marker = checkpoint_marker(job, engine, rank, summary, stage)
     start_step, rng = resume(job, run_dir, rank, engine, data, summary)
     stop = checkpoint.StopRequest(run_dir)
     cleanup.callback(stop.close)
@@ -158,13 +160,72 @@ def setup(
     if rng is not None:  # last: nothing in setup may draw from the restored generators
         checkpoint.set_rng_state(rng)
     engine.engine.train()
-    return Run(job, run_dir, rank, summary, engine, data, stop, recorder, state, watchdog, marker, started, start_step)
+    return Run(
+        job, run_dir, rank, summary, engine, data, stop, recorder, state, watchdog, marker, started, start_step,
+        stage=stage,
+    )  # fmt: skip
+
+
+def engine_built(job: Job, engine: Engine, stage: Stage | None, summary: Summary) -> None:
+    """What follows an engine's build: packed attention, and the summary's record of a stage's groups."""
+    if job.config.data.packing:  # sdpa attends record by record in packed rows (launcher.model.packing)
+        summary.attn_implementation = use_packed_attention(engine.engine.module)
+    if stage is not None:
+        if summary.stages is None:
+            summary.stages = [planned.to_json() for planned in job.stages]
+        summary.stages[stage.index]["param_groups"] = summary.param_groups
+
+
+# ----------------------------------------------------------------------------- stages (train.stages)
+def starting_stage(job: Job, run_dir: RunDir) -> Stage | None:
+    """The stage the first step of this start trains in (a resume: the stage its checkpoint was saved
+    in, which a checkpoint at a stage's last step still is); None without train.stages."""
+    if not job.stages:
+        return None
+    return stage_at(job.stages, read_marker(run_dir, job.resume.tag).step if job.resume else 0)
+
+
+def stage_start(job: Job, run_dir: RunDir, stage: Stage | None) -> str | None:
+    """Where a stage's model comes from: the job's model for the first, else the model the stage before
+    ended with (RUN/stages/NAME); None: the job's model."""
+    if stage is None or stage.index == 0:
+        return None
+    before = job.stages[stage.index - 1]
+    path = run_dir.stage_model(before.name)
+    if not (path / "config.json").is_file():
+        raise LauncherError(
+            f"train.stages: {path}, the model stage {before.name} ended with and stage {stage.name} starts from, "
+            "is missing: restore it, or start a new run"
+        )
+    return str(path)
+
+
+def next_stage(run: Run, step: int) -> None:
+    """Between two stages, before `step` (the next one's first): the model of the stage that ended is saved
+    (RUN/stages/NAME, like a job's final model), its engine let go, and the next stage's engine built from
+    it as a job of that stage alone would be: its parts train, with a fresh optimizer (Adam states only for
+    what trains now) and its own warm-up and cosine; the data starts over. Collective: every rank calls it."""
+    ended, stage = run.stage, stage_at(run.job.stages, step)
+    path = run.run_dir.stage_model(ended.name)
+    save_model(run.engine, path, run.rank.is_main)
+    release(run.engine)
+    run.engine = build_engine(run.job, run.rank, run.summary, stage=stage, path=str(path))
+    engine_built(run.job, run.engine, stage, run.summary)
+    run.marker = checkpoint_marker(run.job, run.engine, run.rank, run.summary, stage)
+    run.state.flops = flop_model(run.engine)
+    run.data.start_over()
+    run.stage = stage
+    run.engine.engine.train()
+    if run.rank.is_main:
+        log.info("stage %s ended; its model: %s; %s", ended.name, path, stage.describe(float(run.job.config.train.lr)))
 
 
 def loop(run: Run, track: _Track) -> Summary:
     """Steps from the one after the checkpoint (or the first) to train.max_steps, or to an agreed stop."""
     job, cpu, stopped_at = run.job, CpuClock(), None
     for step in range(run.start_step + 1, job.max_steps + 1):
+        if run.stage is not None and step > run.stage.last_step:
+            next_stage(run, step)
         track.in_step = step
         with run.watchdog.step(step):
             metrics = train_step(run.engine, run.data, run.rank, run.state, step, stop=run.stop.wanted())
@@ -172,6 +233,8 @@ def loop(run: Run, track: _Track) -> Summary:
         if evaluation_due(job, step):
             run.eval_metrics = evaluate(job, run.engine, run.data, run.rank)
             metrics.update(run.eval_metrics)
+        if run.stage is not None:
+            metrics["train/stage"] = run.stage.index + 1
         metrics.update(cpu.lap())
         run.recorder.record(step, metrics)
         if run.state.stop_agreed and step < job.max_steps:
@@ -193,8 +256,10 @@ def flop_model(engine: Engine) -> FlopModel | None:
 
 
 # ----------------------------------------------------------------------------- resuming and saving
-def checkpoint_marker(job: Job, engine: Engine, rank: Rank, summary: Summary) -> CheckpointMarker:
-    """What every checkpoint of this run records about the job (launcher.core.checkpoints)."""
+def checkpoint_marker(
+    job: Job, engine: Engine, rank: Rank, summary: Summary, stage: Stage | None = None
+) -> CheckpointMarker:
+    """What every checkpoint of this run (or of its `stage`) records about the job (launcher.core.checkpoints)."""
     return CheckpointMarker(
         step=0,
         tag="",
@@ -203,13 +268,15 @@ def checkpoint_marker(job: Job, engine: Engine, rank: Rank, summary: Summary) ->
         precision=summary.precision,
         model=plain(job.config.model),
         method=plain(job.config.method),
-        base_model=job.model_path,
+        base_model=engine.path or job.model_path,
         global_batch=job.global_batch,
         micro_batch=engine.micro,
         offload_optimizer=job.offload_optimizer or "none",
-        lr_schedule=lr_schedule_of(job.ds_config),
+        lr_schedule=lr_schedule_of(engine.ds_config or job.ds_config),
         param_names=list(engine.param_names),
         param_groups=engine.group_layout(),
+        stages=[planned.to_json() for planned in job.stages] or None,
+        stage=None if stage is None else stage.name,
     )
 
 

@@ -121,6 +121,9 @@ class Tuning:
     space_line: str = ""  # what the space holds, as the tuner announces it
     # The job's own overrides of what candidates leave out but its best.yaml keeps (logger=, preflight=).
     best_extra: list[str] = field(default_factory=list)
+    # What candidates train beside the job's overrides: with train.stages, the stage that needs the most
+    # memory, alone (launcher.model.stats.heaviest_stage): a short run of the schedule would train the first.
+    trial_overrides: list[str] = field(default_factory=list)
 
     def command_line(self, result: Result) -> str:
         """The pick's command line as printed and written (tune.md): a credential's value redacted."""

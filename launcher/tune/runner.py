@@ -174,6 +174,7 @@ def run_candidate(t: Tuning, result: Result, tune_cfg: TuneConfig) -> None:
     log_file.parent.mkdir(parents=True, exist_ok=True)
     overrides = [
         *t.base,
+        *t.trial_overrides,
         *candidate.overrides(t.global_batch),
         # One step more than measured: the last step of a run evaluates before it records its metrics,
         # and the candidate is stopped as soon as the last measured step is recorded.

@@ -45,6 +45,7 @@ from omegaconf.errors import OmegaConfBaseException
 from launcher.config.compose import compose
 from launcher.config.ranges import check_config
 from launcher.config.schema import Config, plain, typed
+from launcher.config.stages import TRAINABLE
 from launcher.core import credentials
 from launcher.core.errors import Interrupted, LauncherError, one_line
 from launcher.core.overrides import override_key
@@ -53,7 +54,7 @@ from launcher.core.signals import STOP_SIGNALS, handling, name
 from launcher.job.checks import check_data
 from launcher.job.planning import plan_job
 from launcher.job.spec import HydraJob, Job
-from launcher.model.stats import model_stats, pack_length, sequence
+from launcher.model.stats import heaviest_stage, model_stats, pack_length, sequence
 from launcher.plan.memory import PRESETS, Target, estimate, layout_from_ds_config
 from launcher.plan.report import target_device
 from launcher.tracking.naming import has_credentials, resolve_mode
@@ -173,6 +174,12 @@ def _tuning(cfg: Config, overrides: Sequence[str]) -> Tuning:
         directory, base, global_batch, world_size, budget, source, left_out=left_out, device_kind=job.device.kind
     )
     t.results = [_planned(base, candidate, global_batch, target) for candidate in candidates]
+    heaviest = heaviest_stage(cfg)
+    if heaviest is not None:
+        t.trial_overrides = [
+            "train.stages=null",
+            *(f"model.freeze_{part}={str(part not in heaviest).lower()}" for part in TRAINABLE),
+        ]
     # Candidates run without W&B and preflight; the pick's best.yaml runs the job as the user gave it.
     t.best_extra = [o for o in overrides if override_key(o).split(".")[0] in ("logger", "preflight")]
     t.space_line = (

@@ -262,3 +262,18 @@ def test_the_batching_axis_is_measured_by_real_tokens_and_packing_removes_the_pa
     assert (data["packing"], data["group_by_length"]) == {"pad": (False, False), "group": (False, True)}.get(
         best.rsplit("-", 1)[1], (True, False)
     )
+
+
+def test_with_stages_the_candidates_train_the_heaviest_stage_alone(tmp_path):
+    """A short run of the schedule would train its first stage (the projector alone): the candidates train
+    the stage with the most to train, and best.yaml keeps the schedule."""
+    schedule = "train.stages=[{steps: 10, train: [projector]}, {train: [projector, language]}]"
+    overrides = ["train.micro_batch_size=8", "tune.presets=[z2]", "tune.precisions=[fp32]",
+                 "tune.micro_batch_sizes=[8]", "tune.gradient_checkpointing=[false]", "tune.memory_gb=2.5",
+                 f"tune.dir={tmp_path / 'tune'}", "train.max_steps=40", schedule]  # fmt: skip
+    t = tuner._tuning(compose_typed(overrides), overrides)
+    assert schedule in t.base
+    assert t.trial_overrides == [
+        "train.stages=null", "model.freeze_vision=true", "model.freeze_projector=false", "model.freeze_language=false"
+    ]  # fmt: skip
+    assert "train.stages=null" not in t.command_line(t.results[0])
