@@ -59,6 +59,27 @@ class Data:
     accuracy_set: Any | None = None  # this rank's share of the exact-match samples
     source_names: list[str] = field(default_factory=list)  # of a mixture (data.sources); empty otherwise
     restart: Callable[[], Iterator[dict[str, Any]]] | None = None  # `batches` anew, from `position` on
+    loaders: list[Any] = field(default_factory=list)  # the DataLoaders whose persistent workers this rank owns
+
+    def start_eval_workers(self) -> None:
+        """Fork the evaluation loader's persistent workers now (the loop's start, beside the training
+        loader's first fork), not at the first evaluation: forked right after a step of a 2-rank ZeRO-3 run,
+        a worker hung inside CPython 3.11's fork (a runtime lock another thread held at the fork,
+        python/cpython#112275, fixed in 3.12). Its first batches are loaded again at the evaluation."""
+        loader = self.eval_loader
+        if loader is not None and loader.num_workers > 0 and loader.persistent_workers:
+            iter(loader)
+
+    def shut_down_workers(self) -> None:
+        """End the loaders' worker processes, however the rank ends. They ignore SIGTERM (a group's stop
+        signal must not end them before their rank has saved), and the interpreter's exit terminates and
+        joins every worker still alive: one kept by a reference cycle (an exception's traceback) would
+        hold the rank's exit forever."""
+        for loader in self.loaders:
+            iterator = getattr(loader, "_iterator", None)
+            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+                iterator._shutdown_workers()  # DataLoader's own shutdown: each worker told, joined, else killed
+            loader._iterator = None
 
     def start_over(self) -> None:
         """Training batches from the start of the data again (the next stage of train.stages: as a job of its
@@ -104,6 +125,7 @@ def build_data(
         built, train_cache = _indexed(job, rank, loaded, processor, guard, tally)
     if loaded.eval:
         built.eval_loader, built.accuracy_set = _held_out(job, rank, processor, loaded.eval, guard, tally)
+        built.loaders.append(built.eval_loader)
     summary.records_skipped, summary.records_too_long = tally.bad, tally.too_long
     summary.records_truncated = tally.truncated
     if train_cache is not None:
@@ -156,6 +178,7 @@ def _indexed(
     # the rank's end, and the interpreter's exit would wait on them (they ignore SIGTERM).
     position = built.position
     built.restart = lambda: batches(train_loader, sampler, position, micro)
+    built.loaders.append(train_loader)
     built.batches = built.restart()
     return built, train_cache
 

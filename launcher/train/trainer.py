@@ -124,6 +124,7 @@ def setup(
     engine = build_engine(job, rank, summary, stage=stage, path=stage_start(job, run_dir, stage))
     engine_built(job, engine, stage, summary)
     data = build_data(job, rank, loaded, engine.processor, engine.zero_stage, run_dir, summary)
+    cleanup.callback(data.shut_down_workers)
     marker = checkpoint_marker(job, engine, rank, summary, stage)
     start_step, rng = resume(job, run_dir, rank, engine, data, summary)
     stop = checkpoint.StopRequest(run_dir)
@@ -223,6 +224,7 @@ def next_stage(run: Run, step: int) -> None:
 def loop(run: Run, track: _Track) -> Summary:
     """Steps from the one after the checkpoint (or the first) to train.max_steps, or to an agreed stop."""
     job, cpu, stopped_at = run.job, CpuClock(), None
+    run.data.start_eval_workers()
     for step in range(run.start_step + 1, job.max_steps + 1):
         if run.stage is not None and step > run.stage.last_step:
             next_stage(run, step)
