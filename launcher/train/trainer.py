@@ -206,7 +206,7 @@ def next_stage(run: Run, step: int) -> None:
     (RUN/stages/NAME, like a job's final model), its engine let go, and the next stage's engine built from
     it as a job of that stage alone would be: its parts train, with a fresh optimizer (Adam states only for
     what trains now) and its own warm-up and cosine; the data starts over. Collective: every rank calls it."""
-    ended, stage = run.stage, stage_at(run.job.stages, step)
+    ended, stage, began = run.stage, stage_at(run.job.stages, step), time.time()
     path = run.run_dir.stage_model(ended.name)
     save_model(run.engine, path, run.rank.is_main)
     release(run.engine)
@@ -218,7 +218,10 @@ def next_stage(run: Run, step: int) -> None:
     run.stage = stage
     run.engine.engine.train()
     if run.rank.is_main:
-        log.info("stage %s ended; its model: %s; %s", ended.name, path, stage.describe(float(run.job.config.train.lr)))
+        log.info(
+            "stage %s ended: its model saved to %s and the next stage's engine built in %.1f s; %s",
+            ended.name, path, time.time() - began, stage.describe(float(run.job.config.train.lr)),
+        )  # fmt: skip
 
 
 def loop(run: Run, track: _Track) -> Summary:
