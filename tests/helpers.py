@@ -293,3 +293,22 @@ def limit_file_size(limit: int) -> Callable[[], None]:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     return apply
+
+
+# ----------------------------------------------------------------------------- optimizer groups
+# Every ZeRO stage and offload, with the optimizer class DeepSpeed steps there (DeepSpeedCPUAdam under the
+# ZeRO optimizer with offload): what the parameter-group tests read their rates back from.
+PRESET_OPTIMIZERS = (
+    ("z0", "AdamW"),
+    ("z1", "DeepSpeedZeroOptimizer"),
+    ("z2", "DeepSpeedZeroOptimizer"),
+    ("z3", "DeepSpeedZeroOptimizer_Stage3"),
+    ("z2_offload", "DeepSpeedZeroOptimizer"),
+    ("z3_offload", "DeepSpeedZeroOptimizer_Stage3"),
+)
+
+
+def rates_in_use(engine: Any) -> dict[str, tuple[float, float]]:
+    """{group name: (peak rate, weight decay)} as DeepSpeed's optimizer and scheduler hold them."""
+    groups, peaks = engine.engine.optimizer.param_groups, engine.scheduler.org_lrs
+    return {group["name"]: (peak, group["weight_decay"]) for group, peak in zip(groups, peaks, strict=True)}

@@ -106,11 +106,17 @@ def frozen_meta_model(cfg: Config):
 def heaviest_stage(cfg: Config, *, path: str | None = None) -> tuple[str, ...] | None:
     """What the stage of train.stages that trains the most parameters trains (a tie: the later stage);
     None without stages. The planner, preflight and the tuner plan that stage."""
+    heaviest = _heaviest_stage(cfg, path)
+    return None if heaviest is None else heaviest[0]
+
+
+def _heaviest_stage(cfg: Config, path: str | None) -> tuple[tuple[str, ...], ModelStats] | None:
+    """(what it trains, its stats) of the stage that trains the most parameters; None without stages."""
     stages = parts_by_stage(getattr(cfg.train, "stages", None))
     if not stages:
         return None
-    trainable = [model_stats(training_parts(cfg, parts), path=path).trainable for parts in stages]
-    return stages[max(reversed(range(len(stages))), key=trainable.__getitem__)]
+    each = [(parts, model_stats(training_parts(cfg, parts), path=path)) for parts in stages]
+    return max(reversed(each), key=lambda stage: stage[1].trainable)
 
 
 def model_stats(cfg: Config, *, path: str | None = None) -> ModelStats:
@@ -118,9 +124,9 @@ def model_stats(cfg: Config, *, path: str | None = None) -> ModelStats:
 
     With train.stages, the stage that trains the most parameters: the one that needs the most memory (its
     optimizer states and gradients; activations are kept for what trains)."""
-    parts = heaviest_stage(cfg, path=path)
-    if parts is not None:
-        return model_stats(training_parts(cfg, parts), path=path)
+    heaviest = _heaviest_stage(cfg, path)
+    if heaviest is not None:
+        return heaviest[1]
 
     path = path or model_dir(cfg)
     config, model = meta_model(cfg, path)

@@ -19,7 +19,7 @@ from launcher.model.loading import load_model_and_processor
 from launcher.model.stats import model_dir
 from launcher.train.distributed import init_distributed
 from launcher.train.engine import build_engine
-from tests.helpers import compose_typed, hydra_job, read_summary
+from tests.helpers import PRESET_OPTIMIZERS, compose_typed, hydra_job, rates_in_use, read_summary
 
 GROUPS = ("train.groups.vision.lr=0", "train.groups.projector.lr_scale=2", "train.weight_decay=0.1", "train.lr=1e-3")
 
@@ -34,23 +34,7 @@ def built(overrides: list[str], run_dir: Path):
     return build_engine(job, rank, summary), summary
 
 
-def rates_in_use(engine) -> dict[str, tuple[float, float]]:
-    """{group name: (peak rate, weight decay)} as DeepSpeed's optimizer and scheduler hold them."""
-    groups, peaks = engine.engine.optimizer.param_groups, engine.scheduler.org_lrs
-    return {group["name"]: (peak, group["weight_decay"]) for group, peak in zip(groups, peaks, strict=True)}
-
-
-@pytest.mark.parametrize(
-    ("preset", "optimizer"),
-    [
-        ("z0", "AdamW"),
-        ("z1", "DeepSpeedZeroOptimizer"),
-        ("z2", "DeepSpeedZeroOptimizer"),
-        ("z3", "DeepSpeedZeroOptimizer_Stage3"),
-        ("z2_offload", "DeepSpeedZeroOptimizer"),
-        ("z3_offload", "DeepSpeedZeroOptimizer_Stage3"),
-    ],
-)
+@pytest.mark.parametrize(("preset", "optimizer"), PRESET_OPTIMIZERS)
 def test_every_stage_and_offload_steps_the_groups_rates(process_group, tmp_path, preset, optimizer):
     engine, summary = built([f"deepspeed={preset}", *GROUPS], tmp_path / "run")
     assert type(engine.engine.optimizer).__name__ == optimizer

@@ -20,7 +20,7 @@ from launcher.job.planning import plan_job
 from launcher.model.stats import model_dir
 from launcher.train.distributed import init_distributed
 from launcher.train.engine import build_engine, release
-from tests.helpers import QUICK, compose_typed, hydra_job, losses, read_metrics
+from tests.helpers import PRESET_OPTIMIZERS, QUICK, compose_typed, hydra_job, losses, rates_in_use, read_metrics
 
 STEPS = ("train.max_steps=10", "train.eval_every=0", "logger=none", "data.n_train=256", "data.n_eval=32")
 SCHEDULE = "train.stages=[{steps: 4, train: [projector], lr: 3e-3}, {name: full, train: [projector, language]}]"
@@ -116,17 +116,7 @@ def test_the_quick_job_is_unchanged_without_stages(quick_run):
     assert not any("stages" in override for override in QUICK)
 
 
-@pytest.mark.parametrize(
-    ("preset", "optimizer"),
-    [
-        ("z0", "AdamW"),
-        ("z1", "DeepSpeedZeroOptimizer"),
-        ("z2", "DeepSpeedZeroOptimizer"),
-        ("z3", "DeepSpeedZeroOptimizer_Stage3"),
-        ("z2_offload", "DeepSpeedZeroOptimizer"),
-        ("z3_offload", "DeepSpeedZeroOptimizer_Stage3"),
-    ],
-)
+@pytest.mark.parametrize(("preset", "optimizer"), PRESET_OPTIMIZERS)
 def test_each_stage_steps_its_own_rates_at_every_zero_stage_and_offload(process_group, tmp_path, preset, optimizer):
     """The LLaVA-NeXT#492 trap, per stage: the rates DeepSpeed's optimizer holds once initialised are the
     stage's (its lr, train.groups' scale of the parts that train in it), and nothing else is in it."""
@@ -151,12 +141,6 @@ def test_each_stage_steps_its_own_rates_at_every_zero_stage_and_offload(process_
     }  # fmt: skip
     assert engine.ds_config["scheduler"]["params"]["total_num_steps"] == 6
     release(engine)
-
-
-def rates_in_use(engine) -> dict[str, tuple[float, float]]:
-    """{group name: (peak rate, weight decay)} as DeepSpeed's optimizer and scheduler hold them."""
-    groups, peaks = engine.engine.optimizer.param_groups, engine.scheduler.org_lrs
-    return {group["name"]: (peak, group["weight_decay"]) for group, peak in zip(groups, peaks, strict=True)}
 
 
 def test_a_schedule_the_model_cannot_train_is_refused_before_a_rank_starts(tmp_path):
