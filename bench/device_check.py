@@ -14,7 +14,9 @@ names `.whl`). Steps, each under its own time limit and all under one deadline (
   env       Python, torch, CUDA (torch's and nvcc's), the GPU, package versions, DeepSpeed's ds_report
   ops       JIT-builds the DeepSpeed ops the presets use (cpu_adam, for optimizer offload), each under
             its own timeout, with DS_SKIP_CUDA_CHECK=1 (DeepSpeed otherwise refuses an nvcc whose CUDA
-            version differs from torch's) and any lock a killed build left removed first
+            version differs from torch's), into a folder of its own (TORCH_EXTENSIONS_DIR, default
+            /tmp/device_check_torch_extensions) with any lock a killed build left removed first; in CPU
+            mode into torch's usual folder, where this machine's runs built them already, locks left alone
   pytest    `pytest -m gpu` (tests/gpu/test_cuda.py: ZeRO 0-3 in bf16 and fp16, loss scale, memory
             metrics, pinned loader, offload, QLoRA and flash attention where installed)
   train     `python train.py` on the tiny built-in model at z0/z2/z3 in bf16 and once in fp16 (fp32 in
@@ -179,10 +181,11 @@ def environment(check: Check) -> str:
 
 
 def build_ops(check: Check, names: list[str]) -> str:
-    extensions = Path(check.env["TORCH_EXTENSIONS_DIR"])
-    # Nothing else builds now: the previous call's processes ended with it. A lock left by a build
-    # that was killed (a call stopped at its limit) would make this build wait forever.
-    for lock in extensions.glob("*/lock"):
+    # On the lent machine nothing else builds now: the previous call's processes ended with it. A lock left
+    # by a build that was killed (a call stopped at its limit) would make this build wait forever. In CPU
+    # mode (the test suite) another process may be building into the same folder: its lock stays.
+    extensions = None if check.cpu else Path(check.env["TORCH_EXTENSIONS_DIR"])
+    for lock in extensions.glob("*/lock") if extensions is not None else ():
         lock.unlink()
         check.log(f"removed a stale build lock: {lock}")
     done = []
@@ -359,10 +362,11 @@ def main() -> int:
         "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
         "PYTHONUNBUFFERED": "1",
         "DS_SKIP_CUDA_CHECK": "1",
-        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR") or "/tmp/device_check_torch_extensions",
         "HF_HUB_OFFLINE": "1",  # no network there: nothing may wait on the hub
         "WANDB_MODE": "disabled",
     }
+    if not args.cpu:  # CPU mode uses this machine as it is: its packages, and the ops its runs built already
+        env["TORCH_EXTENSIONS_DIR"] = os.environ.get("TORCH_EXTENSIONS_DIR") or "/tmp/device_check_torch_extensions"
     deadline = time.time() + (args.deadline_s or (600 if args.cpu else 470))
     check = Check(out=out, work=work, deadline=deadline, cpu=args.cpu, env=env)
     wanted = set(args.only or STEPS) | {"install", "env"}
