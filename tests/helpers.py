@@ -10,24 +10,28 @@ several ranks (tests/e2e).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 
 from launcher.config.compose import compose, without_hydra
 from launcher.config.schema import Config, register_configs, typed
+from launcher.core.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -213,6 +217,35 @@ def start_train(env: dict[str, str], *args: str, log: Path) -> subprocess.Popen:
 def signal_group(process: subprocess.Popen, signum: int = signal.SIGTERM) -> None:
     """Signal every process of the job's group, as `timeout` and SLURM do."""
     os.killpg(process.pid, signum)
+
+
+def wait_for(process: subprocess.Popen, condition: Callable[[], bool], timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert process.poll() is None, f"the run ended (code {process.returncode}) before the condition held"
+        assert time.time() < deadline, "timed out waiting for the run"
+        time.sleep(0.05)
+
+
+def last_step(run_dir: Path) -> int:
+    path = RunDir(run_dir).metrics
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return json.loads(lines[-1])["step"] if lines and lines[-1].endswith("}") else 0
+
+
+def latest(run_dir: Path) -> str | None:
+    path = RunDir(run_dir).latest
+    return path.read_text().strip() if path.is_file() else None
+
+
+def signal_every_process(process: subprocess.Popen, signum: int) -> list[psutil.Process]:
+    """Signal the job and every process under it (torch's agent, the ranks, their workers), as SLURM stops a
+    step; returns them (torchrun starts its ranks in sessions of their own: no process group holds all)."""
+    family = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    for member in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.send_signal(signum)
+    return family
 
 
 # ----------------------------------------------------------------------------- run directories

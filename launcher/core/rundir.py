@@ -245,6 +245,22 @@ class RunDir:
     def write_summary(self, summary: Summary) -> None:
         write_json_atomic(self.summary, summary.to_json())
 
+    def last_recorded_step(self) -> int:
+        """The last step metrics.jsonl records (0: none): the last step trained, however the run ended. Reads
+        only the file's tail (a long run's file holds a line per step)."""
+        try:
+            with self.metrics.open("rb") as file:
+                file.seek(max(0, file.seek(0, os.SEEK_END) - 65536))
+                lines = file.read().splitlines()
+        except OSError:
+            return 0
+        for line in reversed(lines):
+            try:
+                return int(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):  # a line cut by a kill, or the tail's cut first line
+                continue
+        return 0
+
     def metrics_writer(self) -> MetricsWriter:
         """metrics.jsonl opened once for appending (training writes a line per step)."""
         return MetricsWriter(self.metrics)

@@ -14,8 +14,11 @@ is left with the handlers it had.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -70,3 +73,24 @@ def remember(signum: int, _frame: object = None) -> None:
 def received() -> str | None:
     """The first stop signal remembered inside `recording_stop_signals`; None if none came."""
     return _received[0] if _received else None
+
+
+# ----------------------------------------------------------------------------- a test hook
+# `LAUNCHER_TEST_PAUSE=PHASE:SECONDS:FILE` holds a process in a phase (plan, cache, eval, export) the first time
+# it gets there, after creating FILE: the tests of stop signals send theirs once FILE exists, so the signal
+# lands inside that phase (with the DataLoader workers of a cache build or an evaluation alive), not by luck.
+PAUSE_ENV = "LAUNCHER_TEST_PAUSE"
+_paused: set[str] = set()  # the phases this process was held in already
+
+
+def pause_for_test(phase: str) -> None:
+    """Hold this process in `phase` for the seconds LAUNCHER_TEST_PAUSE names (once per process)."""
+    wanted, _, rest = os.environ.get(PAUSE_ENV, "").partition(":")
+    if wanted != phase or phase in _paused:
+        return
+    _paused.add(phase)
+    seconds, _, mark = rest.partition(":")
+    Path(mark).touch()
+    deadline = time.monotonic() + float(seconds)
+    while time.monotonic() < deadline:  # a signal's handler runs between these sleeps
+        time.sleep(0.05)

@@ -55,7 +55,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from launcher.config.schema import CacheImages, DataConfig
-from launcher.core.errors import LauncherError, TrainingFailed
+from launcher.core.children import helper_process
+from launcher.core.errors import Interrupted, LauncherError, TrainingFailed
+from launcher.core.signals import pause_for_test
 from launcher.data.collate import Collator, add_dummy_image, nothing_fits
 from launcher.data.formats import BadRecordError, open_image, skipped_entry
 from launcher.data.index import Records
@@ -187,11 +189,22 @@ class CacheInfo:
 @dataclass(frozen=True)
 class Part:
     """Which shards this process builds: those whose number is `rank` modulo `world_size`. `barrier` waits
-    for every rank (a no-op for one process)."""
+    for every rank (a no-op for one process). `stop_wanted` says whether a stop signal reached this process
+    (checked between shards); `any_rank` tells every rank whether any rank's flag is set (a collective, so
+    the ranks stop a build together; None: only this process's flag counts)."""
 
     rank: int = 0
     world_size: int = 1
     barrier: Callable[[], None] = lambda: None
+    stop_wanted: Callable[[], bool] = lambda: False
+    any_rank: Callable[[bool], bool] | None = None
+
+    def agree_to_stop(self, flag: bool) -> bool:
+        """A barrier at which every rank learns whether any of them was asked to stop."""
+        if self.any_rank is None:
+            self.barrier()
+            return flag
+        return self.any_rank(flag)
 
 
 def ensure_cache(
@@ -220,10 +233,14 @@ def ensure_cache(
     if not existed:
         if part.rank == 0:
             log.info("data cache: tokenizing %d records once, into %s", len(records), path)
-        _unless_finished_elsewhere(
-            path, lambda: build.run(range(part.rank, build.shards, part.world_size), progress=part.rank == 0)
+        mine = range(part.rank, build.shards, part.world_size)
+        _unless_finished_elsewhere(path, lambda: build.run(mine, progress=part.rank == 0, stop=part.stop_wanted))
+    if part.agree_to_stop(build.stopped):  # every rank's shards are written, or some rank was asked to stop
+        done = sum(_read_json(build.shard_dir(n) / SHARD_FILE) is not None for n in range(build.shards))
+        raise Interrupted(
+            f"stopped by a signal while building the data cache {path}: {done} of its {build.shards} shards are "
+            "written and kept, and the next start builds only the rest"
         )
-    part.barrier()  # every rank's shards are written
     if part.rank == 0 and _read_meta(path) is None:
         _unless_finished_elsewhere(path, lambda: build.finish(path, key, model, started))
     part.barrier()  # meta.json is written
@@ -286,6 +303,7 @@ class _ShardBuild:
         self.building, self.records, self.encode, self.load = building, records, encode, load
         self.on_bad_record, self.num_workers, self.shard_records = on_bad_record, num_workers, shard_records
         self.shards = max(1, -(-len(records) // shard_records))
+        self.stopped = False  # a stop request ended `run` before its last shard
 
     def shard_dir(self, number: int) -> Path:
         return self.building / "shards" / f"{number:05d}"
@@ -293,11 +311,15 @@ class _ShardBuild:
     def span(self, number: int) -> range:
         return range(number * self.shard_records, min(len(self.records), (number + 1) * self.shard_records))
 
-    def run(self, numbers: range | list[int], *, progress: bool) -> None:
-        """Write the shards `numbers` that no earlier attempt completed."""
+    def run(self, numbers: range | list[int], *, progress: bool, stop: Callable[[], bool] = lambda: False) -> None:
+        """Write the shards `numbers` that no earlier attempt completed; before each, `stop()` may end the build
+        (`stopped`: the shards written so far are complete and kept)."""
         todo = [n for n in numbers if _read_json(self.shard_dir(n) / SHARD_FILE) is None]
         total, done, started, said = sum(len(self.span(n)) for n in todo), 0, time.perf_counter(), time.perf_counter()
         for number in todo:
+            if stop():
+                self.stopped = True
+                return
             self._write_shard(number)
             done += len(self.span(number))
             now = time.perf_counter()
@@ -490,13 +512,14 @@ def _write_tensors(
     # that built the cache would continue with another random state than one that found it built.
     loader = DataLoader(
         decoded, batch_size=None, num_workers=workers, prefetch_factor=8 if workers else None, collate_fn=unchanged,
-        generator=torch.Generator(),
+        generator=torch.Generator(), worker_init_fn=helper_process,
     )  # fmt: skip
     files: dict[str, Any] = {}
     offsets: dict[str, list[int]] = {}
     written = _Written()
     try:
         for index, tensors, cut, record_id, source in loader:
+            pause_for_test("cache")  # the tests' stop signals land here, the workers decoding (a no-op otherwise)
             if isinstance(tensors, BadRecordError):
                 _skip(written, records[index], index, tensors, on_bad_record)
                 continue

@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
+from launcher.core.children import helper_process
 from launcher.core.errors import LauncherError
 from launcher.data.formats import BadRecordError
 from launcher.data.length import IGNORE_INDEX, LengthLimit, RecordTooLong, fit_to_length, one_row, pad_rows, unchanged
@@ -225,6 +226,7 @@ def fit_records(records: list[dict], processor, limit: LengthLimit, *, num_worke
         prefetch_factor=8 if num_workers else None,
         collate_fn=unchanged,
         generator=torch.Generator(),  # not the global one: building the data must not move the random state
+        worker_init_fn=helper_process,
     )
     report = FitReport([], 0, [])
     for index, outcome in loader:

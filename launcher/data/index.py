@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from launcher.core.children import helper_process
 from launcher.data.formats import ReadOptions, read_records
 
 INDEX_VERSION = 1
@@ -144,7 +145,8 @@ def indexed_records(
     if meta is None and sum(size for _, size, _ in identity[1]) < CHILD_BUILD_BYTES:
         meta = _build(path, options, table)
     elif meta is None:  # parsed in a process of its own, whose memory (GBs at 665K records) goes with it
-        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as child:
+        spawn = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=1, mp_context=spawn, initializer=helper_process) as child:
             meta = child.submit(_build, path, options, table).result()
     if skip_log is not None:
         skip_log += meta["skip_log"]

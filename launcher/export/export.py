@@ -36,7 +36,7 @@ from launcher.config.schema import Config, OnBadRecord, config_from_yaml
 from launcher.core.checkpoints import complete_tags, find_resume_tag, read_marker
 from launcher.core.errors import Interrupted, LauncherError, TrainingFailed, one_line
 from launcher.core.rundir import UNIVERSAL_DIR, RunDir, directory_problem
-from launcher.core.signals import STOP_SIGNALS, handling, name
+from launcher.core.signals import STOP_SIGNALS, handling, name, pause_for_test
 from launcher.data.collate import Collator
 from launcher.data.formats import BadRecordError
 from launcher.data.records import ConversationDataset, read_data
@@ -154,6 +154,7 @@ def export(
             partial.mkdir(parents=True)
             model.save_pretrained(partial)
             source.processor.save_pretrained(partial)
+        pause_for_test("export")  # the tests' stop signals land here, half of it written (a no-op otherwise)
         reloaded = reload(partial, source.base, adapters=source.adapters and not merge)
         difference = max(float((a - b).abs().max()) for a, b in zip(reference, logits(reloaded, batches), strict=True))
         if not difference <= tolerance:

@@ -118,6 +118,15 @@ _ENV_SET = "hydra.job.env_set."
 _PLACEMENT = ("hydra.run.dir", "hydra.mode", "hydra.sweep.")
 
 
+def replayed_environment(cfg: DictConfig, hydra: HydraJob) -> dict[str, str]:
+    """What a SLURM task that does not plan (launcher.launch.run) gives its rank of a resume: the first run's
+    `hydra.job.env_set` entries, as the planning task replays them ({} for a job that starts fresh)."""
+    value = cfg.get("resume")
+    if not value or hydra.multirun or not RunDir(hydra.run_dir).is_run():
+        return {}
+    return _replayed_hydra_settings(RunDir(hydra.run_dir), hydra, str(value))[0]
+
+
 def _replayed_hydra_settings(run_dir: RunDir, hydra: HydraJob, value: str) -> tuple[dict[str, str], list[str]]:
     """({variable: value} of `hydra.job.env_set`, the first run's entries and this command line's, the
     first run's other Hydra settings not given again). A credential's entry is recorded redacted: its value comes

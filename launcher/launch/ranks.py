@@ -224,6 +224,8 @@ def outcome(job: Job, run_dir: RunDir, returncode: int, *, primary: bool = True)
         return summary
     first = first_rank_error(run_dir)
     if first is not None:
+        if first.exit_code == Interrupted.exit_code:  # the ranks stopped on a signal before their first step
+            raise Interrupted(first.error)
         if first.exit_code == 2:  # a user's mistake (bad data, say): the same line as with one rank
             raise LauncherError(first.error)
         raise TrainingFailed(f"rank {first.rank}: {first.error} (traceback: {first.traceback})")

@@ -36,7 +36,7 @@ from launcher.core.errors import Interrupted, LauncherError, one_line
 from launcher.core.json_files import write_json_atomic
 from launcher.core.rank_errors import record_rank_error
 from launcher.core.rundir import RunDir
-from launcher.core.signals import STOP_SIGNALS, handling, name, received, remember
+from launcher.core.signals import STOP_SIGNALS, handling, name, pause_for_test, received, remember
 from launcher.core.summary import Summary
 from launcher.job import resume
 from launcher.job.checks import check_inputs
@@ -112,7 +112,7 @@ def run_job(
     run_dir = RunDir(hydra.run_dir)
     config_dist = cfg.dist
     if slurm.global_rank(config_dist) not in (None, 0):
-        return _follow_rank_zero(cfg, run_dir, rank_env or {}, output)
+        return _follow_rank_zero(cfg, hydra, run_dir, rank_env or {}, output)
     if int(config_dist.node_rank) == 0 and (problem := run_dir.claim()) is not None:
         return Outcome(run_dir.path, "failed", 2, f"hydra.run.dir={run_dir.path}: {problem}; wait for it to end, or "
                        "choose another directory")  # fmt: skip
@@ -191,6 +191,7 @@ class _Attempt:
         job = plan_job(config, hydra).replace(launch_id=slurm.launch_id(config.dist))
         check_inputs(config, job, launching=not config.dry_run)
         job = job.replace(model_path=model_dir(config))  # a tiny model is built here, once, for every rank
+        pause_for_test("plan")  # the tests' stop signals land here (a no-op otherwise)
         _check_memory(config, job, self.say)
         job = self._resume(config, job, cfg, hydra)
         if self.done is not None:  # a finished run: nothing to plan, and its files stay as they are
@@ -254,6 +255,7 @@ class _Attempt:
             # has loaded) earned no summary: the run's says how it last ended, and stays.
             if not (self.cfg.get("resume") and summary.status in ("completed", "preempted")):
                 summary.failed(message, wall_s=time.time() - self.started, status=status)
+                summary.steps = self.run_dir.last_recorded_step()  # a killed rank recorded none: its metrics say
                 self.run_dir.write_summary(summary)
         if str(self.cfg.dist.launcher) == "slurm":
             launch = slurm.launch_id(self.cfg.dist)
@@ -328,17 +330,21 @@ def _convert_for_reshard(run_dir: RunDir, plan: Any, config: Config, say: Callab
     say(f"resume: {reshard.describe()}: converted {run_dir.checkpoint(tag)} to {out} in {time.time() - started:.1f} s")
 
 
-def _follow_rank_zero(cfg: DictConfig, run_dir: RunDir, rank_env: Mapping[str, str], output: Path | None) -> Outcome:
+def _follow_rank_zero(
+    cfg: DictConfig, hydra: HydraJob, run_dir: RunDir, rank_env: Mapping[str, str], output: Path | None
+) -> Outcome:
     """A SLURM task other than global rank 0: wait for rank 0's plan of this launch, then start its rank.
 
-    job.json holds no credentials: this task hands its rank its own (the same command line's)."""
+    job.json holds no credentials: this task hands its rank its own (the same command line's), and on a resume
+    the first run's `hydra.job.env_set` entries, as the planning task does."""
     config = typed(cfg)
     if config.dry_run:
         return Outcome(run_dir.path, "planned")
     try:
         slurm.wait_for_plan(run_dir, slurm.launch_id(config.dist), float(config.dist.timeout_s))
         job = read_job(run_dir.path)
-        env = {**credentials.for_ranks(job_credentials(config)), **rank_env}
+        replayed = resume.replayed_environment(cfg, hydra)
+        env = {**replayed, **credentials.for_ranks(job_credentials(config)), **rank_env}
         summary = start_ranks(job, run_dir, env=env, primary=False, output=output)
     except LauncherError as err:
         return Outcome(run_dir.path, "failed", err.exit_code, one_line(err))

@@ -12,7 +12,9 @@ cache's shards at once:
 
 Prints the records read (and the bad ones skipped), then one line per split: the cache's directory,
 records, skipped, size and build time (or "reused").
-Exit codes as train.py's: 1 for a config that does not compose, 2 for bad input (one `error:` line).
+Exit codes as train.py's: 1 for a config that does not compose, 2 for bad input (one `error:` line), 143
+for a stop signal (SIGTERM, Ctrl-C, ...): the shard being written is finished and kept, with every one before
+it, and the same command later builds only the rest.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from launcher.config.compose import compose_typed
 from launcher.config.ranges import check_config
 from launcher.config.schema import Config
 from launcher.core.errors import LauncherError, one_line
+from launcher.core.signals import STOP_SIGNALS, handling, name
 from launcher.data.cache import CacheInfo, Part, ensure_job_cache
 from launcher.data.records import LoadedData, read_data
 from launcher.job.planning import cache_dir
@@ -65,11 +68,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     started, group = time.perf_counter(), False
+    stops: list[str] = []  # stop signals received: the build ends after the shard it is writing (kept)
     try:
-        cfg = compose_typed(overrides)
-        check_config(cfg)
-        part, group = _part()
-        loaded, caches = prepare(cfg, part)
+        with handling(STOP_SIGNALS, lambda signum, _frame: stops.append(name(signum))):
+            cfg = compose_typed(overrides)
+            check_config(cfg)
+            part, group = _part(lambda: bool(stops))
+            loaded, caches = prepare(cfg, part)
     except LauncherError as err:
         print(f"error: {one_line(err)}", file=sys.stderr)
         return err.exit_code
@@ -93,13 +98,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _part() -> tuple[Part, bool]:
+def _part(stop_wanted: Callable[[], bool]) -> tuple[Part, bool]:
     """This process's share: all of it, or under torchrun (WORLD_SIZE > 1) its rank's, with a gloo group
-    for the barriers."""
+    for the barriers and for agreeing to stop."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
-        return Part(), False
+        return Part(stop_wanted=stop_wanted), False
+    import torch
     import torch.distributed
 
     torch.distributed.init_process_group("gloo")
-    return Part(torch.distributed.get_rank(), world, torch.distributed.barrier), True
+
+    def any_rank(flag: bool) -> bool:
+        votes = torch.tensor([float(flag)])
+        torch.distributed.all_reduce(votes)
+        return bool(votes.item() > 0)
+
+    return Part(torch.distributed.get_rank(), world, torch.distributed.barrier, stop_wanted, any_rank), True

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
+from launcher.core.signals import pause_for_test
 from launcher.data.accuracy import exact_match_accuracy
 from launcher.job.spec import Job
 from launcher.train.distributed import Rank, all_reduce_sum
@@ -23,21 +25,25 @@ def evaluation_due(job: Job, step: int) -> bool:
 
 
 @torch.no_grad()
-def evaluate(job: Job, engine: Engine, data: Data, rank: Rank) -> dict[str, float]:
+def evaluate(
+    job: Job, engine: Engine, data: Data, rank: Rank, stop: Callable[[], bool] = lambda: False
+) -> tuple[dict[str, float], bool]:
     """Held-out loss, the mean over every answer token of the held-out set as training averages a step
-    (and exact-match accuracy when data.eval_accuracy), over all ranks."""
+    (and exact-match accuracy when data.eval_accuracy), over all ranks; and whether some rank was asked to
+    stop meanwhile (`stop`), agreed in the evaluation's one all-reduce, so that a stop signal that lands
+    during an evaluation ends the run after this step instead of after the next one."""
     if data.eval_loader is None:  # no held-out data given
-        return {}
+        return {}, False
     ds, device = engine.engine, rank.device
     ds.eval()
+    pause_for_test("eval")
     loss_sum, count = 0.0, 0.0
     for batch in data.eval_loader:
         outputs = ds(**to_device(batch, device, engine.dtype))
         answers = answer_tokens(batch)
         loss_sum += float(outputs.loss) * answers
         count += answers
-    total_loss, total_count = all_reduce_sum([loss_sum, count], device)
-    metrics = {"eval/loss": total_loss / max(total_count, 1.0)}
+    correct, total = 0.0, 0.0
     if data.accuracy_set is not None:
         correct, total = exact_match_accuracy(
             ds.module,
@@ -46,9 +52,13 @@ def evaluate(job: Job, engine: Engine, data: Data, rank: Rank) -> dict[str, floa
             max_new_tokens=int(job.config.data.max_new_tokens),
             synced_gpus=engine.zero_stage == 3 and rank.world_size > 1,
         )
-        correct, total = all_reduce_sum([correct, total], device)
+    total_loss, total_count, correct, total, stop_votes = all_reduce_sum(
+        [loss_sum, count, correct, total, float(stop())], device
+    )
+    metrics = {"eval/loss": total_loss / max(total_count, 1.0)}
+    if data.accuracy_set is not None:
         metrics["eval/accuracy"] = correct / max(total, 1.0)
     ds.train()
     if rank.is_main and metrics:
         log.info("eval: %s", {k: round(v, 4) for k, v in metrics.items()})
-    return metrics
+    return metrics, stop_votes > 0

@@ -21,11 +21,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from launcher.core.children import die_with_parent
+from launcher.core.children import helper_process
 from launcher.core.errors import LauncherError
 from launcher.core.logs import FILE_ONLY
 from launcher.core.rundir import RunDir
-from launcher.core.signals import ignore_stop_signals
 from launcher.core.summary import Summary
 from launcher.data.cache import CachedCollator, CachedDataset, CacheInfo, Part, RecordEncoder, ensure_job_cache
 from launcher.data.collate import Collator, fit_records
@@ -41,7 +40,7 @@ from launcher.job.planning import cache_dir
 from launcher.job.spec import Job
 from launcher.model.stats import pack_length
 from launcher.train.checkpoint import DataPosition, ResumableSampler, batches
-from launcher.train.distributed import Rank, barrier, main_process_first
+from launcher.train.distributed import Rank, all_reduce_sum, barrier, main_process_first
 
 log = logging.getLogger("launcher")
 
@@ -110,10 +109,18 @@ class Data:
 
 
 def build_data(
-    job: Job, rank: Rank, loaded: LoadedData, processor: Any, zero_stage: int, run_dir: RunDir, summary: Summary
+    job: Job,
+    rank: Rank,
+    loaded: LoadedData,
+    processor: Any,
+    zero_stage: int,
+    run_dir: RunDir,
+    summary: Summary,
+    stop: Callable[[], bool] = lambda: False,
 ) -> Data:
     """This rank's loaders over the records read (`read_records`), sharded by rank, resumable; the counts of
-    what was skipped go into `summary`."""
+    what was skipped go into `summary`. `stop()` says whether this rank was asked to stop: a data cache being
+    built stops between its shards (launcher.data.cache.Part)."""
     data = job.config.data
     guard = data.modality_guard
     if guard is None:
@@ -122,9 +129,9 @@ def build_data(
     if data.streaming:
         built, train_cache = _streamed(job, rank, loaded.sources[0], processor, guard, tally), None
     else:
-        built, train_cache = _indexed(job, rank, loaded, processor, guard, tally)
+        built, train_cache = _indexed(job, rank, loaded, processor, guard, tally, stop)
     if loaded.eval:
-        built.eval_loader, built.accuracy_set = _held_out(job, rank, processor, loaded.eval, guard, tally)
+        built.eval_loader, built.accuracy_set = _held_out(job, rank, processor, loaded.eval, guard, tally, stop)
         built.loaders.append(built.eval_loader)
     summary.records_skipped, summary.records_too_long = tally.bad, tally.too_long
     summary.records_truncated = tally.truncated
@@ -143,11 +150,12 @@ def build_data(
 
 
 def _indexed(
-    job: Job, rank: Rank, loaded: LoadedData, processor: Any, guard: bool, tally: SkipTally
+    job: Job, rank: Rank, loaded: LoadedData, processor: Any, guard: bool, tally: SkipTally, stop: Callable[[], bool]
 ) -> tuple[Data, CacheInfo | None]:
     """The training data of records read (and indexed) before training, through the data cache or not."""
     micro = job.micro_batch
-    train_set, collate, train_kept, train_cache = _split(job, rank, processor, loaded.train, "train", guard, tally)
+    split = _split(job, rank, processor, loaded.train, "train", guard, tally, stop)
+    train_set, collate, train_kept, train_cache = split
     require_one_global_batch(len(train_set), micro, rank.world_size)  # decoding and length may drop records
     sources = train_set.sources if train_cache is not None else loaded.train.sources[train_kept]
     sampler = _sampler(job, rank, loaded, train_set, sources)
@@ -266,21 +274,18 @@ def _loader_args(job: Job, rank: Rank) -> dict[str, Any]:
     return {
         "num_workers": workers,
         "persistent_workers": workers > 0,
-        "worker_init_fn": _die_with_rank,  # no DataLoader worker outlives a rank killed by a signal
+        "worker_init_fn": helper_process,  # no worker outlives its rank, nor stops before it has saved
         # Page-locked batches copy to a GPU asynchronously (the step moves them with non_blocking=True).
         "pin_memory": rank.device.type == "cuda",
     }
 
 
-def _die_with_rank(_worker_id: int) -> None:
-    die_with_parent()
-    ignore_stop_signals()  # a group's SIGTERM must not end the workers before their rank has saved
-
-
-def _held_out(job: Job, rank: Rank, processor: Any, records: Records, guard: bool, tally: SkipTally) -> tuple[Any, Any]:
+def _held_out(
+    job: Job, rank: Rank, processor: Any, records: Records, guard: bool, tally: SkipTally, stop: Callable[[], bool]
+) -> tuple[Any, Any]:
     """The held-out loss loader and this rank's exact-match samples (None without data.eval_accuracy)."""
     data = job.config.data
-    eval_set, collate, kept, _ = _split(job, rank, processor, records, "eval", guard, tally)
+    eval_set, collate, kept, _ = _split(job, rank, processor, records, "eval", guard, tally, stop)
     sampler = DistributedSampler(eval_set, num_replicas=rank.world_size, rank=rank.rank, shuffle=False)
     generator = torch.Generator().manual_seed(int(job.config.train.seed))
     loader = DataLoader(
@@ -295,7 +300,14 @@ def _held_out(job: Job, rank: Rank, processor: Any, records: Records, guard: boo
 
 
 def _split(
-    job: Job, rank: Rank, processor: Any, records: Records, split: str, guard: bool, tally: SkipTally
+    job: Job,
+    rank: Rank,
+    processor: Any,
+    records: Records,
+    split: str,
+    guard: bool,
+    tally: SkipTally,
+    stop: Callable[[], bool],
 ) -> tuple[Any, Any, Sequence[int], CacheInfo | None]:
     """(dataset, collate function, the positions of the records that train, the cache's CacheInfo or None)
     of one split, through the data cache or not, under data.max_length: both ways cut and skip the same
@@ -303,7 +315,7 @@ def _split(
     data = job.config.data
     limit = LengthLimit.of(data)
     if data.cache:
-        dataset, info = _cached(job, rank, processor, records)
+        dataset, info = _cached(job, rank, processor, records, stop)
         tally.bad += info.skipped
         tally.too_long += info.too_long
         tally.truncated += info.truncated
@@ -321,9 +333,11 @@ def _split(
     return ConversationDataset(kept), Collator(processor, image_every_batch=guard, limit=limit), report.kept, None
 
 
-def _cached(job: Job, rank: Rank, processor: Any, records: Records) -> tuple[Any, CacheInfo]:
-    """The records as a CachedDataset; every rank builds its share of a missing cache (launcher.data.cache)."""
-    part = Part(rank.rank, rank.world_size, barrier)
+def _cached(job: Job, rank: Rank, processor: Any, records: Records, stop: Callable[[], bool]) -> tuple[Any, CacheInfo]:
+    """The records as a CachedDataset; every rank builds its share of a missing cache (launcher.data.cache),
+    and all stop it together when one was asked to stop."""
+    any_rank = lambda flag: all_reduce_sum([float(flag)], rank.device)[0] > 0  # noqa: E731
+    part = Part(rank.rank, rank.world_size, barrier, stop_wanted=stop, any_rank=any_rank)
     info = ensure_job_cache(job.config.data, cache_dir(job.config), str(job.model_path), processor, records, part)
     if rank.is_main:
         log.info(

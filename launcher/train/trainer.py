@@ -30,7 +30,7 @@ from launcher.config.schema import OBJECTIVES, plain
 from launcher.config.stages import Stage, stage_at
 from launcher.core import credentials, logs
 from launcher.core.checkpoints import CheckpointMarker, lr_schedule_of, read_marker
-from launcher.core.errors import LauncherError, TrainingFailed, one_line
+from launcher.core.errors import Interrupted, LauncherError, TrainingFailed, one_line
 from launcher.core.rank_errors import record_rank_error, step_failure
 from launcher.core.rundir import RunDir
 from launcher.core.summary import Summary
@@ -119,16 +119,18 @@ def setup(
 ) -> Run:
     """Records, engine, loaders, the checkpoint to continue from, outputs: everything the first step needs.
     What must be undone however the run ends goes onto `cleanup`."""
+    # First: a stop signal from here on is this rank's to handle (a data cache build stops between its
+    # shards; anything else at the first step, which saves).
+    stop = checkpoint.StopRequest(run_dir)
+    cleanup.callback(stop.close)
     loaded = read_records(job, rank)
     stage = starting_stage(job, run_dir)
     engine = build_engine(job, rank, summary, stage=stage, path=stage_start(job, run_dir, stage))
     engine_built(job, engine, stage, summary)
-    data = build_data(job, rank, loaded, engine.processor, engine.zero_stage, run_dir, summary)
+    data = build_data(job, rank, loaded, engine.processor, engine.zero_stage, run_dir, summary, stop=stop.wanted)
     cleanup.callback(data.shut_down_workers)
     marker = checkpoint_marker(job, engine, rank, summary, stage)
     start_step, rng = resume(job, run_dir, rank, engine, data, summary)
-    stop = checkpoint.StopRequest(run_dir)
-    cleanup.callback(stop.close)
     wandb = None
     if rank.is_main and job.config.logger.enabled:
         # A resume continues the W&B run whose id the first start stored in the run directory.
@@ -236,7 +238,8 @@ def loop(run: Run, track: _Track) -> Summary:
             metrics = train_step(run.engine, run.data, run.rank, run.state, step, stop=run.stop.wanted())
         track.in_step = None
         if evaluation_due(job, step):
-            run.eval_metrics = evaluate(job, run.engine, run.data, run.rank)
+            run.eval_metrics, stop_voted = evaluate(job, run.engine, run.data, run.rank, stop=run.stop.wanted)
+            run.state.stop_agreed |= stop_voted
             metrics.update(run.eval_metrics)
         if run.stage is not None:
             metrics["train/stage"] = run.stage.index + 1
@@ -415,13 +418,15 @@ def save_model(engine: Engine, out: Path, is_main: bool) -> None:
 
 def _failed(err: BaseException, job: Job, run_dir: RunDir, summary: Summary, track: _Track) -> BaseException:
     """Record how this rank failed (errors/, rank 0's summary and W&B run); the exception to raise."""
-    status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+    # Stopped by a signal before the first step could (a data cache build stops between its shards).
+    status = "interrupted" if isinstance(err, KeyboardInterrupt | Interrupted) else "failed"
     message = one_line(err)
     if not isinstance(err, LauncherError):
         message = f"{type(err).__name__}: {message}"
     if track.in_step is not None:
         message = step_failure(message, track.in_step, job.world_size, summary.zero_stage)
     summary.status, summary.error = status, message
+    summary.steps = run_dir.last_recorded_step()  # the last step trained, in every ending
     summary.wall_s = round(time.time() - track.started, 3)
     exit_code = err.exit_code if isinstance(err, LauncherError) else 1
     trace_file = run_dir.rank_traceback(track.rank)

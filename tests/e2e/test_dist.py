@@ -149,6 +149,7 @@ def test_a_rank_that_dies_by_a_signal_mid_step_is_named_with_its_step(run_train,
     # Either rank 0 recorded the broken connection first, or nobody recorded and rank 1's step file names it.
     assert f"step {STEPS}: " in errors[0] and "keep data.modality_guard on" in errors[0], errors[0]
     assert read_summary(run_dir)["status"] == "failed"
+    assert read_summary(run_dir)["steps"] == STEPS - 1  # the last step trained, though no rank could say
 
 
 def test_a_packed_zero3_run_on_two_ranks_has_the_losses_of_the_unpacked_one(tmp_path, env):

@@ -10,13 +10,11 @@ tests/unit/train/test_trainer.py (the resume matrix at one rank).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +24,19 @@ import torch
 
 from launcher.core.rundir import RunDir
 from launcher.train.faults import FAULT_ENV, SLOW_SAVE_ENV
-from tests.helpers import losses, plain, read_metrics, read_summary, run_here, start_train, train_here
+from tests.helpers import (
+    last_step,
+    latest,
+    losses,
+    plain,
+    read_metrics,
+    read_summary,
+    run_here,
+    signal_every_process,
+    start_train,
+    train_here,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -64,25 +74,6 @@ TWO_RANKS = (
 def start(env: dict[str, str], run_dir: Path, *args: str) -> subprocess.Popen:
     """`python train.py ARGS` in its own process group (so the test can signal every process of it)."""
     return start_train(env, *args, log=run_dir.parent / f"{run_dir.name}-{time.monotonic_ns()}.out")
-
-
-def wait_for(process: subprocess.Popen, condition: Callable[[], bool], timeout: float = 600) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert process.poll() is None, f"the run ended (code {process.returncode}) before the condition held"
-        assert time.time() < deadline, "timed out waiting for the run"
-        time.sleep(0.05)
-
-
-def last_step(run_dir: Path) -> int:
-    path = RunDir(run_dir).metrics
-    lines = path.read_text().splitlines() if path.is_file() else []
-    return json.loads(lines[-1])["step"] if lines and lines[-1].endswith("}") else 0
-
-
-def latest(run_dir: Path) -> str | None:
-    path = RunDir(run_dir).latest
-    return path.read_text().strip() if path.is_file() else None
 
 
 def kill_group(process: subprocess.Popen) -> None:
@@ -211,22 +202,7 @@ def test_two_ranks_preempted_then_killed_after_a_checkpoint_resume_bitwise(run_t
 
 
 # ----------------------------------------------------------------------------- stop signals to every process
-def test_sigterm_to_the_whole_group_saves_and_the_resume_ends_bitwise(run_train, isolated_env, tmp_path, uninterrupted):
-    """`timeout` and a terminal's Ctrl-C signal the whole process group: the launcher, its rank and the rank's
-    DataLoader workers. The workers ignore it (they used to die first: "DataLoader worker is killed by signal",
-    no checkpoint, "failed"); the rank saves and stops; the resume ends where an uninterrupted run does."""
-    run_dir = tmp_path / "run"
-    process = start(isolated_env, run_dir, *RUN, "data.num_workers=2", f"hydra.run.dir={run_dir}")
-    wait_for(process, lambda: last_step(run_dir) >= 2)
-    os.killpg(process.pid, signal.SIGTERM)
-    assert process.wait(timeout=300) == 143
-    stopped = read_summary(run_dir)
-    assert stopped["status"] == "preempted" and stopped["steps"] == last_step(run_dir) >= 2
-    assert latest(run_dir) == f"step{stopped['steps']}"
-    resume(run_train, run_dir)
-    assert losses(run_dir) == uninterrupted
-
-
+# A process group's SIGTERM (with DataLoader workers) at one rank: tests/e2e/test_stops.py.
 def test_a_stop_signal_to_every_process_of_two_ranks_saves_as_preempted(isolated_env, tmp_path):
     """As SLURM stops a step (every process: the launcher, torch's agent, both ranks, their workers), here
     with Ctrl-C's SIGINT: "preempted", exit 143, a complete checkpoint at the last step. torch's agent used to
@@ -236,10 +212,7 @@ def test_a_stop_signal_to_every_process_of_two_ranks_saves_as_preempted(isolated
     run_dir = tmp_path / "run"
     process = start(isolated_env, run_dir, *TWO_RANKS, f"hydra.run.dir={run_dir}")
     wait_for(process, lambda: last_step(run_dir) >= 2)
-    family = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
-    for member in family:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            member.send_signal(signum)
+    signal_every_process(process, signum)
     assert process.wait(timeout=300) == 143
     stopped = read_summary(run_dir)
     assert stopped["status"] == "preempted" and stopped["steps"] == last_step(run_dir) >= 2

@@ -13,6 +13,7 @@ import time
 import psutil
 import pytest
 
+from launcher.core.signals import PAUSE_ENV
 from tests.helpers import ROOT, read_metrics, read_summary, run_here, run_train_py, train_here
 
 pytestmark = pytest.mark.slow
@@ -62,23 +63,21 @@ def test_two_jobs_into_one_directory_one_is_refused_the_other_intact(train_in_pr
     assert read_summary(run_dir)["status"] == "completed"
 
 
-@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
-def test_a_signal_while_the_job_is_planned_is_recorded(isolated_env, tmp_path, signum):
-    """Stopped before any rank started: summary "interrupted", exit 143, one line, no traceback."""
-    run_dir = tmp_path / "run"
-    job = _train(*SHORT, "train.max_steps=5", f"hydra.run.dir={run_dir}", env=isolated_env)
-    _wait_for(lambda: (run_dir / ".hydra" / "config.yaml").exists())  # the launcher plans now
-    time.sleep(1.0)  # into the plan (DeepSpeed's import and the memory estimate take seconds)
-    job.send_signal(getattr(signal, signum))
+def test_a_signal_while_the_job_is_planned_is_recorded(isolated_env, tmp_path):
+    """Ctrl-C to the launcher alone, held in its memory plan (the test hook): stopped before any rank started,
+    summary "interrupted", exit 143, the one line on stderr, no traceback. (SIGUSR1 to the whole group while
+    planning a 2-rank job: tests/e2e/test_stops.py.)"""
+    run_dir, mark = tmp_path / "run", tmp_path / "planning"
+    env = {**isolated_env, PAUSE_ENV: f"plan:30:{mark}"}
+    job = _train(*SHORT, "train.max_steps=5", f"hydra.run.dir={run_dir}", env=env)
+    _wait_for(mark.exists)
+    job.send_signal(signal.SIGINT)
     _, err = job.communicate(timeout=300)
-    summary = read_summary(run_dir)
-    if summary["status"] == "preempted":  # the ranks had started already: they stopped cleanly instead
-        assert job.returncode == 143
-        return
     assert job.returncode == 143, err[-3000:]
-    assert f"error: stopped by {signum} before training started; start the job again" in err
+    assert "error: stopped by SIGINT before training started; start the job again" in err
     assert "Traceback" not in err
-    assert summary["status"] == "interrupted" and signum in summary["error"]
+    summary = read_summary(run_dir)
+    assert summary["status"] == "interrupted" and "SIGINT" in summary["error"] and summary["steps"] == 0
 
 
 def test_a_signal_while_the_model_loads_stops_at_the_first_step_with_a_checkpoint(isolated_env, tmp_path):

@@ -12,6 +12,7 @@ from launcher.config.precision import Device
 from launcher.core import credentials
 from launcher.core.credentials import REDACTED, SECRETS_ENV, is_secret_key, redact, redact_override
 from launcher.job.planning import plan_job
+from launcher.job.resume import replayed_environment
 from launcher.job.spec import HydraJob, choices_of, read_job, run_group
 from launcher.launch.run import run_job
 from tests.helpers import compose_typed, hydra_job, train_here
@@ -246,6 +247,10 @@ def test_a_resume_gives_the_ranks_the_first_runs_hydra_environment_again(process
     resumed, lines = resume("train.max_steps=2")
     assert resumed.status == "completed" and resumed.summary.steps == 2, resumed.error
     assert given["VISIBLE_SETTING"] == "kept" and given["HF_TOKEN"] == token
+    # Under dist=slurm the tasks that do not plan give their ranks the same entries.
+    again = [f"resume={run_dir}", "train.max_steps=2"]
+    replayed = replayed_environment(compose(again), hydra_job(again, run_dir))
+    assert replayed == {"VISIBLE_SETTING": "kept", "HF_TOKEN": token}
     not_replayed = "resume: the first run's hydra.verbose=false shaped Hydra's own start and is not replayed"
     assert not_replayed in "\n".join(lines)
     recorded = (run_dir / ".hydra" / "hydra.yaml").read_text()  # so that the next resume replays them too

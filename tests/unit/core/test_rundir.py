@@ -70,6 +70,20 @@ def test_a_summary_that_cannot_be_read_is_none(tmp_path):
     assert run_dir.read_summary() is None
 
 
+def test_the_last_recorded_step_is_read_from_the_tail_past_a_line_a_kill_cut(tmp_path):
+    """What a failed run's summary gives as its steps: the last whole line of metrics.jsonl (a long file
+    read from its end; a kill mid-write leaves a cut line, which is passed over)."""
+    run_dir = RunDir(tmp_path)
+    assert run_dir.last_recorded_step() == 0  # no metrics yet
+    with run_dir.metrics_writer() as writer:
+        for step in range(1, 3001):
+            writer.write({"step": step, "train/loss": 1.0 / step, "padding": "x" * 40})
+    assert run_dir.last_recorded_step() == 3000
+    with run_dir.metrics.open("a") as file:
+        file.write('{"step": 3001, "train/lo')
+    assert run_dir.last_recorded_step() == 3000
+
+
 def test_the_command_line_is_recorded_and_read_back(tmp_path):
     run_dir = RunDir(tmp_path / "run")
     assert not run_dir.is_run()

@@ -13,6 +13,7 @@ import os
 import pickle
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import pytest
 import torch
 from PIL import Image
 
-from launcher.core.errors import LauncherError
+from launcher.core.errors import Interrupted, LauncherError
 from launcher.data import cache as cache_module
 from launcher.data.cache import CachedCollator, CachedDataset, Part, RecordEncoder, cache_key, ensure_cache
 from launcher.data.collate import Collator, fit_records
@@ -279,6 +280,69 @@ def test_a_killed_build_resumes_from_its_complete_shards(tmp_path, mixed_records
     assert loaded == list(range(5, 12))  # shard 0 (records 0-4) was complete
     assert info.built and info.records == 12
     assert [p.name for p in (tmp_path / "data_cache").iterdir()] == [info.path.name]  # no leftovers
+
+
+def test_a_stop_request_ends_the_build_between_shards_and_the_next_start_builds_the_rest(
+    tmp_path, mixed_records, model_and_processor
+):
+    """A stop signal during a build (here its flag, set while shard 1 is written) ends the build after that
+    shard, in one line that says what is kept; no cache looks complete, and the next build writes only the
+    shards still missing, into the cache an uninterrupted build makes."""
+    _, processor = model_and_processor
+    records = ConversationDataset(mixed_records)
+    loaded: list[int] = []
+
+    def load(index: int) -> dict:
+        loaded.append(index)
+        return records[index]
+
+    stop = Part(stop_wanted=lambda: 7 in loaded)  # asked to stop during shard 1 (records 5-9)
+    with pytest.raises(Interrupted, match=r"while building the data cache .*: 2 of its 3 shards are written and kept"):
+        build(tmp_path, mixed_records, processor, load=load, part=stop)
+    assert loaded == list(range(10))  # shard 1 was finished, shard 2 not begun
+    assert not [path for path in (tmp_path / "data_cache").iterdir() if not path.name.startswith(".")]
+    loaded.clear()
+    info = build(tmp_path, mixed_records, processor, load=load)
+    assert loaded == [10, 11] and info.built and info.records == 12
+    alone = build(tmp_path / "alone", mixed_records, processor)
+    assert info.path.name == alone.path.name
+    for ours, theirs in zip(
+        _tensors(CachedDataset(info.path, processor)), _tensors(CachedDataset(alone.path, processor)), strict=True
+    ):
+        assert_same_batch(ours, theirs)
+
+
+def test_ranks_stop_a_build_together_when_one_of_them_is_asked_to(tmp_path, mixed_records, model_and_processor):
+    """Only rank 1 is asked to stop (a signal to one process): both ranks agree at the build's barrier and
+    stop, so neither waits for the other's shards or writes meta.json."""
+    _, processor = model_and_processor
+    barrier = threading.Barrier(2, timeout=120)
+    votes: list[bool] = [False, False]
+
+    def any_rank(number: int, flag: bool) -> bool:
+        votes[number] = flag
+        barrier.wait()
+        agreed = any(votes)
+        barrier.wait()
+        return agreed
+
+    errors: dict[int, BaseException] = {}
+
+    def rank(number: int) -> None:
+        part = Part(number, 2, barrier.wait, stop_wanted=lambda: number == 1, any_rank=partial(any_rank, number))
+        try:
+            build(tmp_path, mixed_records, copy.deepcopy(processor), part=part, shard_records=3)
+        except Interrupted as err:
+            errors[number] = err
+
+    threads = [threading.Thread(target=rank, args=(number,)) for number in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(errors) == [0, 1]
+    assert "2 of its 4 shards are written and kept" in str(errors[0])  # rank 0's shards 0 and 2; rank 1 none
+    assert not [path for path in (tmp_path / "data_cache").iterdir() if not path.name.startswith(".")]
 
 
 def test_an_encoded_cache_stores_each_images_file_and_a_fraction_of_the_pixels(

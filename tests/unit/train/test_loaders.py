@@ -198,6 +198,7 @@ def test_a_weighted_mixture_draws_by_weight_and_resumes_bitwise(train_in_process
     monkeypatch.setenv(FAULT_ENV, "0:6")  # a crash in step 6, after the checkpoint of step 4
     crashed = train_in_process(*job, "train.save_every=4", run_dir=run_dir.path)
     assert crashed.outcome.exit_code == 1 and [row["step"] for row in read_metrics(run_dir.path)] == [1, 2, 3, 4, 5]
+    assert read_summary(run_dir.path)["status"] == "failed" and read_summary(run_dir.path)["steps"] == 5
     monkeypatch.delenv(FAULT_ENV)
     resumed = train_in_process(f"resume={run_dir.path}", run_dir=run_dir.path)
     assert resumed.outcome.status == "completed", resumed.outcome.error

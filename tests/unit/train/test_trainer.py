@@ -386,6 +386,7 @@ def test_a_lora_run_resumes_where_it_stopped(lora_runs, train_in_process, tmp_pa
     monkeypatch.setenv(FAULT_ENV, "0:6")
     crashed = train_in_process(*LORA, "deepspeed=z2", "train.save_every=4", run_dir=stopped)
     assert crashed.outcome.exit_code == 1 and "fault injected" in crashed.error
+    assert read_summary(stopped)["steps"] == 5  # the last step trained, in a failed run's summary too
     monkeypatch.delenv(FAULT_ENV)
     resumed = train_in_process(f"resume={stopped}", run_dir=stopped)
     assert resumed.outcome.status == "completed", resumed.outcome.error
