@@ -17,9 +17,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from launcher.config.schema import TRAINABLE
 from launcher.core.errors import LauncherError
 
-PARTS = ("vision", "projector", "language", "adapters")
+PARTS = (*TRAINABLE, "adapters")
 SETTINGS = ("lr", "lr_scale", "weight_decay", "match")
 DEFAULT_GROUP = "default"  # the parameters no configured group holds
 

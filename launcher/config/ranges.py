@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from launcher.config.groups import group_specs
-from launcher.config.stages import TRAINABLE, plan_stages
+from launcher.config.schema import freeze_flags
+from launcher.config.stages import plan_stages
 from launcher.core.errors import LauncherError
 
 WORKERS_PER_CORE = 4  # DataLoader workers beyond this many per usable core only add processes
@@ -326,8 +327,9 @@ def _stages(cfg: Any) -> None:
             "train.stages with data.streaming=true: each stage reads the data from its start, which a stream "
             "cannot; use the indexed data (data.streaming=false) or separate jobs"
         )
-    frozen = {part: bool(getattr(cfg.model, f"freeze_{part}")) for part in TRAINABLE}
-    plan_stages(given, max_steps=cfg.train.max_steps, frozen=frozen, warmup_steps=cfg.train.warmup_steps)
+    plan_stages(
+        given, max_steps=cfg.train.max_steps, frozen=freeze_flags(cfg.model), warmup_steps=cfg.train.warmup_steps
+    )
 
 
 # In the order a config with several mistakes reports them: what the model is, the rest of the job,

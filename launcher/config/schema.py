@@ -163,6 +163,15 @@ class TrainConfig:
     stages: Any = MISSING
 
 
+# The parts of a vision-language model that train or stay frozen (model.freeze_<part>, train.stages).
+TRAINABLE = ("vision", "projector", "language")
+
+
+def freeze_flags(model: Any) -> dict[str, bool]:
+    """{part: whether model.freeze_<part> freezes it} of a model config (typed or not)."""
+    return {part: bool(getattr(model, f"freeze_{part}")) for part in TRAINABLE}
+
+
 @dataclass
 class ModelConfig:
     """A vision-language model: built tiny from code (`source: tiny`) or loaded (`source: pretrained`)."""

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from launcher.config.knobs import TRAIN_KNOBS
+from launcher.config.schema import TRAINABLE
 from launcher.core.errors import LauncherError
 
-TRAINABLE = ("vision", "projector", "language")  # the parts a stage trains or freezes
 SETTINGS = ("name", "steps", "train", "lr", "lr_scale")
 _EXAMPLE = "'train.stages=[{steps: 100, train: [projector]}, {train: [projector, language]}]'"
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from launcher.config.groups import describe_groups, group_specs
 from launcher.config.precision import Device, labelled_choices, offload_of, precision_of
-from launcher.config.schema import Config, from_plain, plain
-from launcher.config.stages import TRAINABLE, Stage, plan_stages
+from launcher.config.schema import Config, freeze_flags, from_plain, plain
+from launcher.config.stages import Stage, plan_stages
 from launcher.core import credentials
 from launcher.core.json_files import read_json
 from launcher.core.rundir import RunDir
@@ -160,7 +160,7 @@ class Job:
     def stages(self) -> tuple[Stage, ...]:
         """train.stages as planned over train.max_steps (launcher.config.stages); () without a schedule."""
         train, model = self.config.train, self.config.model
-        frozen = {part: bool(getattr(model, f"freeze_{part}")) for part in TRAINABLE}
+        frozen = freeze_flags(model)
         return plan_stages(train.stages, max_steps=self.max_steps, frozen=frozen, warmup_steps=train.warmup_steps)
 
     @property

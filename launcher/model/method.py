@@ -27,11 +27,12 @@ from typing import Any
 
 from torch import nn
 
+from launcher.config.schema import TRAINABLE, freeze_flags
 from launcher.core.errors import LauncherError
 from launcher.model.components import base_model, component_parameter_counts, model_components
 
 ALL_LINEAR = "all-linear"
-COMPONENTS = ("vision", "projector", "language")
+COMPONENTS = TRAINABLE
 
 
 def uses_adapters(method: Any) -> bool:
@@ -84,7 +85,7 @@ def target_regex(model: nn.Module, method: Any, model_cfg: Any) -> str:
             names = [n for n in names if any(n == w or n.endswith("." + w) for w in wanted)]
         pattern = _compact_alternation(names, [name for name, _ in model.named_modules()])
     matched = [name for name, module in model.named_modules() if module is not model and re.fullmatch(pattern, name)]
-    frozen = {c for c in COMPONENTS if getattr(model_cfg, f"freeze_{c}")}
+    frozen = {part for part, frozen in freeze_flags(model_cfg).items() if frozen}
     if method.target_regex and matched and frozen:  # the freeze wins: no adapter inside a frozen component
         kept = [name for name in matched if component_of(name, paths) not in frozen]
         if not kept:
@@ -126,7 +127,7 @@ def _compact_alternation(names: list[str], all_names: list[str]) -> str:
 def modules_to_save(model: nn.Module, method: Any, model_cfg: Any) -> list[str]:
     """Full names of the modules trained in full beside the adapters (component aliases resolved)."""
     paths = component_paths(model)
-    frozen = {c for c in COMPONENTS if getattr(model_cfg, f"freeze_{c}")}
+    frozen = {part for part, frozen in freeze_flags(model_cfg).items() if frozen}
     names = {name for name, _ in model.named_modules()}
     saved = []
     for entry in (str(m) for m in method.modules_to_save):

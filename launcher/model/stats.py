@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launcher.config.schema import Config
+from launcher.config.schema import Config, freeze_flags
 from launcher.config.stages import parts_by_stage, training_parts
 from launcher.core.errors import LauncherError, one_line
 from launcher.data.records import read_data
@@ -97,9 +97,7 @@ def frozen_meta_model(cfg: Config):
     """The meta-device model with the freeze flags applied: what a method adapts."""
 
     _, model = meta_model(cfg)
-    apply_freeze(
-        model, vision=cfg.model.freeze_vision, projector=cfg.model.freeze_projector, language=cfg.model.freeze_language
-    )
+    apply_freeze(model, **freeze_flags(cfg.model))
     return model
 
 
@@ -130,11 +128,7 @@ def model_stats(cfg: Config, *, path: str | None = None) -> ModelStats:
 
     path = path or model_dir(cfg)
     config, model = meta_model(cfg, path)
-    freeze = {
-        "vision": bool(cfg.model.freeze_vision),
-        "projector": bool(cfg.model.freeze_projector),
-        "language": bool(cfg.model.freeze_language),
-    }
+    freeze = freeze_flags(cfg.model)
     counts = apply_freeze(model, **freeze)
     if uses_adapters(cfg.method):  # LoRA on the meta model: adapters counted, nothing allocated
         model = apply_method(model, cfg.method, cfg.model).get_base_model()

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from launcher.config.groups import DEFAULT_GROUP, group_specs
-from launcher.config.schema import plain
-from launcher.config.stages import TRAINABLE, Stage, stage_ds_config
+from launcher.config.schema import freeze_flags, plain
+from launcher.config.stages import Stage, stage_ds_config
 from launcher.core.logs import quiet_transformers
 from launcher.core.summary import Summary
 from launcher.job.spec import Job
@@ -181,7 +181,7 @@ def load_model(
     `path`; a `stage` of train.stages decides what is frozen."""
     model_cfg, method = job.config.model, job.config.method
     path = path or job.model_path
-    freeze = {part: bool(getattr(model_cfg, f"freeze_{part}")) for part in TRAINABLE}
+    freeze = freeze_flags(model_cfg)
     if stage is not None:
         freeze = stage.freeze()
     # At ZeRO-3 transformers must know the DeepSpeed config before the model is built, so that

@@ -44,8 +44,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from launcher.config.compose import compose
 from launcher.config.ranges import check_config
-from launcher.config.schema import Config, plain, typed
-from launcher.config.stages import TRAINABLE
+from launcher.config.schema import TRAINABLE, Config, plain, typed
 from launcher.core import credentials
 from launcher.core.errors import Interrupted, LauncherError, one_line
 from launcher.core.overrides import override_key
