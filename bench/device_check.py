@@ -19,8 +19,8 @@ names `.whl`). Steps, each under its own time limit and all under one deadline (
             mode into torch's usual folder, where this machine's runs built them already, locks left alone
   pytest    `pytest -m gpu` (tests/gpu/test_cuda.py: ZeRO 0-3 in bf16 and fp16, loss scale, memory
             metrics, pinned loader, offload, QLoRA and flash attention where installed)
-  train     `python train.py` on the tiny built-in model at z0/z2/z3 in bf16 and once in fp16 (fp32 in
-            CPU mode, where fp16 is refused): a row per run as it finishes
+  train     `python train.py` on the tiny built-in model at z0/z2/z3 in bf16 and once in fp16 (CPU mode:
+            z0 in bf16 and z3 in fp32, as fp16 is refused): a row per run as it finishes
   presets   `bench/gpu_presets.py` (a ~2B-parameter LLaVA per DeepSpeed preset) with the time left
 
 Results are written into $OUT (the device tool's folder; else outputs/bench/device_check/<stamp>) as
@@ -48,7 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ("install", "env", "ops", "pytest", "train", "presets")
 GPU_PRESETS = ["z0", "z1", "z2", "z3", "z2_offload", "z3_offload"]
-CPU_PRESETS = ["z0", "z2"]
+CPU_PRESETS = ["z0"]
 # What builds each op (DeepSpeed's builder classes), for `--ops`.
 OP_BUILDERS = {"cpu_adam": "CPUAdamBuilder", "fused_adam": "FusedAdamBuilder"}
 
@@ -221,8 +221,13 @@ def run_pytest(check: Check) -> str:
 
 
 def train_runs(check: Check, steps: int) -> str:
-    second = "fp32" if check.cpu else "fp16"  # a CPU refuses fp16
-    runs = [("z0", "bf16"), ("z2", "bf16"), ("z3", "bf16"), ("z2", second)]
+    # A CPU refuses fp16; CPU mode (the test suite's run of this script) checks the plumbing with ZeRO's two
+    # ends and both precisions, not every row (each run is a `python train.py` of ~20 s there).
+    runs = (
+        [("z0", "bf16"), ("z3", "fp32")]
+        if check.cpu
+        else [("z0", "bf16"), ("z2", "bf16"), ("z3", "bf16"), ("z2", "fp16")]
+    )
     table = check.out / "train.md"
     table.write_text(
         "## Tiny model, `python train.py` (one device)\n\n"

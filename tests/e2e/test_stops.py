@@ -142,39 +142,20 @@ def arithmetic(row: dict) -> dict:
     return {key: value for key, value in row.items() if not key.startswith(("perf/", "mem/"))}
 
 
-def test_sigint_to_every_process_of_two_ranks_at_zero3_during_an_evaluation_saves_that_step(isolated_env, tmp_path):
-    """2 ranks, ZeRO-3, no workers, Ctrl-C's SIGINT to every process (the launcher, torch's agent, both
-    ranks), both ranks inside step 2's evaluation: "preempted" at step 2, exit 143, nothing left running."""
-    run_dir = tmp_path / "run"
-    process, mark = start_paused(
-        isolated_env,
-        tmp_path,
-        "eval",
-        *RUN,
-        *TWO_RANKS,
-        "deepspeed=z3",
-        "data.num_workers=0",
-        f"hydra.run.dir={run_dir}",
-    )
-    wait_for(process, mark.exists)
-    family = signal_every_process(process, signal.SIGINT)
-    assert ended(process, family) == 143, output(tmp_path, "eval")[-3000:]
-    assert_stopped_with_a_checkpoint(run_dir, 2)
-    assert "Traceback" not in output(tmp_path, "eval")
-
-
-# ----------------------------------------------------------------------------- during the data cache build
-def test_sigquit_to_every_process_during_the_cache_build_at_two_ranks_keeps_what_was_built(
-    run_train, isolated_env, tmp_path
-):
-    """2 ranks, ZeRO-0, 2 workers, SIGQUIT to every process (the cache build's DataLoader workers among them:
-    they ignore it, as a rank's do) while the training split's cache is built: that split's build finishes
-    (its one shard was being written), the held-out split's is not begun, the ranks agree to stop and the job
-    ends "interrupted" (exit 143, 0 steps, one line); the same command again reuses the finished cache."""
+# ----------------------------------------------------------------------------- 2 ranks: a cache build, an evaluation
+def test_two_ranks_stopped_during_the_cache_build_then_during_an_evaluation(isolated_env, tmp_path):
+    """2 ranks, ZeRO-0, 2 workers, SIGQUIT to every process (the cache build's DataLoader workers among them)
+    while the training split's cache is built: that split's build finishes (its one shard was being written),
+    the held-out split's is not begun, the ranks agree to stop and the job ends "interrupted" (exit 143,
+    0 steps, one line). Then 2 ranks at ZeRO-3 without workers start on that cache (reused) and get Ctrl-C's
+    SIGINT at every process (the launcher, torch's agent, both ranks) inside step 2's evaluation: "preempted"
+    at step 2 with a complete checkpoint, exit 143, nothing left running."""
     cache = tmp_path / "cache"
-    args = (*RUN, *TWO_RANKS, "deepspeed=z0", "data.num_workers=2", "train.max_steps=2", f"cache_dir={cache}")
     run_dir = tmp_path / "run"
-    process, mark = start_paused(isolated_env, tmp_path, "cache", *args, f"hydra.run.dir={run_dir}")
+    args = (*RUN, *TWO_RANKS, f"cache_dir={cache}")
+    process, mark = start_paused(
+        isolated_env, tmp_path, "cache", *args, "deepspeed=z0", "data.num_workers=2", f"hydra.run.dir={run_dir}"
+    )
     wait_for(process, mark.exists)
     family = signal_every_process(process, signal.SIGQUIT)
     assert ended(process, family) == 143, output(tmp_path, "cache")[-3000:]
@@ -186,11 +167,17 @@ def test_sigquit_to_every_process_during_the_cache_build_at_two_ranks_keeps_what
     complete = sorted(path.parent for path in (cache / "data_cache").glob("*/meta.json"))
     assert len(complete) == 1  # the training split's
 
-    again = run_train(*args, f"hydra.run.dir={tmp_path / 'again'}")
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert read_summary(tmp_path / "again")["data_cache"] == {
-        "path": str(complete[0]), "built": False, "build_s": read_summary(tmp_path / "again")["data_cache"]["build_s"]
-    }  # fmt: skip
+    run_dir = tmp_path / "again"
+    process, mark = start_paused(
+        isolated_env, tmp_path, "eval", *args, "deepspeed=z3", "data.num_workers=0", f"hydra.run.dir={run_dir}"
+    )
+    wait_for(process, mark.exists)
+    family = signal_every_process(process, signal.SIGINT)
+    assert ended(process, family) == 143, output(tmp_path, "eval")[-3000:]
+    assert_stopped_with_a_checkpoint(run_dir, 2)
+    assert read_summary(run_dir)["data_cache"]["path"] == str(complete[0])
+    assert read_summary(run_dir)["data_cache"]["built"] is False
+    assert "Traceback" not in output(tmp_path, "eval")
 
 
 # ----------------------------------------------------------------------------- during planning
