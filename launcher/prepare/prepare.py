@@ -104,14 +104,9 @@ def _part(stop_wanted: Callable[[], bool]) -> tuple[Part, bool]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return Part(stop_wanted=stop_wanted), False
-    import torch
     import torch.distributed
 
+    from launcher.train.distributed import any_rank
+
     torch.distributed.init_process_group("gloo")
-
-    def any_rank(flag: bool) -> bool:
-        votes = torch.tensor([float(flag)])
-        torch.distributed.all_reduce(votes)
-        return bool(votes.item() > 0)
-
     return Part(torch.distributed.get_rank(), world, torch.distributed.barrier, stop_wanted, any_rank), True

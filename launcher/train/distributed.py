@@ -83,6 +83,11 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return tensor.tolist()
 
 
+def any_rank(flag: bool, device: torch.device | None = None) -> bool:
+    """Whether `flag` is set on any rank (one collective, on `device` or the CPU; none on one rank)."""
+    return all_reduce_sum([float(flag)], device or torch.device("cpu"))[0] > 0
+
+
 def barrier() -> None:
     if torch.distributed.get_world_size() > 1:
         torch.distributed.barrier()

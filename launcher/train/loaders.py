@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -40,7 +41,7 @@ from launcher.job.planning import cache_dir
 from launcher.job.spec import Job
 from launcher.model.stats import pack_length
 from launcher.train.checkpoint import DataPosition, ResumableSampler, batches
-from launcher.train.distributed import Rank, all_reduce_sum, barrier, main_process_first
+from launcher.train.distributed import Rank, any_rank, barrier, main_process_first
 
 log = logging.getLogger("launcher")
 
@@ -336,8 +337,7 @@ def _split(
 def _cached(job: Job, rank: Rank, processor: Any, records: Records, stop: Callable[[], bool]) -> tuple[Any, CacheInfo]:
     """The records as a CachedDataset; every rank builds its share of a missing cache (launcher.data.cache),
     and all stop it together when one was asked to stop."""
-    any_rank = lambda flag: all_reduce_sum([float(flag)], rank.device)[0] > 0  # noqa: E731
-    part = Part(rank.rank, rank.world_size, barrier, stop_wanted=stop, any_rank=any_rank)
+    part = Part(rank.rank, rank.world_size, barrier, stop_wanted=stop, any_rank=partial(any_rank, device=rank.device))
     info = ensure_job_cache(job.config.data, cache_dir(job.config), str(job.model_path), processor, records, part)
     if rank.is_main:
         log.info(
