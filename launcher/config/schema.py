@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import II, MISSING, DictConfig, OmegaConf
 
 from launcher.core.rundir import RunDir
 
@@ -57,6 +57,13 @@ AttnImplementation = _choice("AttnImplementation", ("auto", "eager", "sdpa", "fl
 Batching = _choice("Batching", ("pad", "group", "pack"))
 ShapesTask = _choice("ShapesTask", ("shape", "colour"))
 QuantType = _choice("QuantType", ("nf4", "fp4"))
+# The training objective (the `loss` group): supervised fine-tuning, or a preference loss on chosen and
+# rejected answers (launcher.train.preference).
+LossName = _choice("LossName", ("sft", "dpo", "ipo"))
+PREFERENCE_LOSSES = ("dpo", "ipo")
+# Where a preference loss's reference log-probs come from: one pass before training (precomputed), the
+# base with the LoRA adapter disabled (adapter), or a frozen copy of the model beside the policy (live).
+Reference = _choice("Reference", ("precomputed", "adapter", "live"))
 # The presets in conf/deepspeed (launcher.memory.PRESETS holds what each selects; a test keeps them equal).
 DeepSpeedPreset = _choice("DeepSpeedPreset", ("z0", "z1", "z2", "z3", "z2_offload", "z3_offload", "z3_nvme"))
 # The metric a sweep optimises, and where summary.json keeps it.
@@ -228,6 +235,30 @@ class MethodConfig:
 
 
 @dataclass
+class LossConfig:
+    """The training objective (the `loss` group): `sft` (the answer tokens' cross-entropy), or a preference
+    loss over pairs of a chosen and a rejected answer to the same prompt: `dpo` (DPO's sigmoid loss, with
+    label smoothing: conservative DPO) or `ipo` (IPO's squared loss). Values in conf/loss/*.yaml."""
+
+    name: LossName = MISSING
+    beta: float = 0.1  # how far the policy may move from the reference (DPO's beta; IPO's tau)
+    label_smoothing: float = 0.0  # dpo: the share of pairs assumed mislabelled (0 <= x < 0.5)
+    reference: Reference = Reference.precomputed
+    # precomputed: a directory of reference log-probs to use (null: cache_dir/reference/KEY, computed
+    # before training when missing); it must have been computed for this model and data.
+    reference_path: str | None = None
+
+
+def is_preference(name: Any) -> bool:
+    """Whether loss.name trains on preference pairs (data.pairs' value)."""
+    return str(name) in PREFERENCE_LOSSES
+
+
+if not OmegaConf.has_resolver("is_preference"):
+    OmegaConf.register_new_resolver("is_preference", is_preference)
+
+
+@dataclass
 class SourceConfig:
     """One source of a mixture (data.sources): its file, folder or hub id, and its share of the draws."""
 
@@ -296,6 +327,9 @@ class DataConfig:
     # Which question the built-in images ask: shape ("what is in the image?" -> "red circle") or colour
     # ("what colour is the shape?" -> "red"), a second task on the same kind of images.
     task: ShapesTask = ShapesTask.shape
+    # Records are preference pairs (a chosen and a rejected answer), each read as two adjacent records:
+    # set by the loss (a preference loss), not by hand.
+    pairs: bool = II("is_preference:${loss.name}")
 
 
 @dataclass
@@ -394,6 +428,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     method: MethodConfig = field(default_factory=MethodConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     data: DataConfig = field(default_factory=DataConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)

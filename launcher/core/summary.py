@@ -64,6 +64,8 @@ class Summary:
     records_too_long: int | None = None  # over data.max_length, skipped
     records_truncated: int | None = None  # cut to data.max_length
     data_cache: dict[str, Any] | None = None  # the cache the run trained from: path, built, build_s
+    # A preference loss's reference (loss.reference): kind; precomputed: path, computed (this start), seconds.
+    reference: dict[str, Any] | None = None
     samples_per_source: dict[str, int] | None = None  # training samples drawn from each source of a mixture
 
     @classmethod

@@ -69,6 +69,9 @@ class ReadOptions:
     check_headers: bool = True
     split: str = "train"  # the split of a `datasets` folder or hub id
     cache_dir: Path | None = None  # where `datasets` keeps its Arrow files
+    # Preference records (data.pairs): each becomes two adjacent records, its chosen conversation and its
+    # rejected one (`pair_records`).
+    pairs: bool = False
 
 
 def read_records(
@@ -99,6 +102,11 @@ def read_records(
         try:
             if isinstance(raw, BadRecordError):  # a malformed JSON line, met under skip
                 raise raw
+            if options.pairs:
+                chosen, rejected = pair_records(raw, where, options.format, image_root, options)
+                fmt = fmt or chosen.pop("format")
+                records += [{**chosen, "file": source, "index": index}, {**rejected, "file": source, "index": index}]
+                continue
             if fmt is None:
                 fmt = detect_format(raw, where)
             records.append({**normalize(raw, fmt, where, image_root, options), "file": source, "index": index})
@@ -271,9 +279,81 @@ def looks_like_hub_id(path: str) -> bool:
 
 
 # ----------------------------------------------------------------------------- formats
+# ----------------------------------------------------------------------------- preference pairs
+REJECTED_SUFFIX = "#rejected"  # a pair's rejected record's id: its chosen record's id and this
+
+
+def pair_records(raw: Any, where: str, fmt: str, image_root: Path, options: ReadOptions) -> tuple[dict, dict]:
+    """A preference record -> (its chosen record, its rejected record): the common records of the prompt
+    followed by each answer. The chosen one also holds "format", the format its conversation was read as.
+
+        LLaMA-Factory  {"conversations" | "messages": [...the prompt's turns], "images": [...],
+                        "chosen": {"from": "gpt", "value": ...} | {"role": "assistant", "content": ...} | "...",
+                        "rejected": the same}
+        TRL            {"prompt": "..." | [messages], "chosen": "..." | [messages], "rejected": the same,
+                        "images": [...]}
+
+    Text-only records (no images) and several images per record read as in the other formats."""
+    if not isinstance(raw, dict):
+        raise BadRecordError(f"{where}: a record must be a JSON object, not {type(raw).__name__}")
+    for key in ("chosen", "rejected"):
+        if raw.get(key) in (None, "", []):
+            raise BadRecordError(
+                f"{where}: a preference record needs a 'chosen' and a 'rejected' answer (loss={{dpo,ipo}}); "
+                f"this one has no '{key}': give both, or train it with loss=sft"
+            )
+    conversations = []
+    for key in ("chosen", "rejected"):
+        conversation = _with_answer(raw, raw[key], where)
+        if fmt == "auto":
+            fmt = detect_format(conversation, where)
+        conversations.append(normalize(conversation, fmt, where, image_root, options))
+    chosen, rejected = conversations
+    if chosen["messages"] == rejected["messages"]:
+        raise BadRecordError(f"{where}: its chosen and rejected answers are the same: nothing to prefer; fix it")
+    rejected["id"] += REJECTED_SUFFIX
+    return {**chosen, "format": fmt}, rejected
+
+
+def _with_answer(raw: dict, answer: Any, where: str) -> dict:
+    """The record's prompt followed by one answer, as a record of the format its prompt is written in."""
+    record = {key: value for key, value in raw.items() if key not in ("chosen", "rejected", "prompt")}
+    if "prompt" in raw:  # TRL: a string, or a list of messages; an answer likewise
+        prompt = raw["prompt"]
+        turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if not isinstance(turns, list):
+            raise BadRecordError(f"{where}: 'prompt' must be a string or a list of messages")
+        answers = [{"role": "assistant", "content": answer}] if isinstance(answer, str) else answer
+        answers = [answers] if isinstance(answers, dict) else answers
+        return {**record, "messages": [*turns, *answers]}
+    key = "conversations" if "conversations" in raw else "messages"
+    turns = raw.get(key)
+    if not isinstance(turns, list):
+        raise BadRecordError(
+            f"{where}: a preference record needs its prompt: 'conversations' or 'messages' (LLaMA-Factory) or "
+            "'prompt' (TRL)"
+        )
+    if isinstance(answer, str):
+        turn = {"from": "gpt", "value": answer}
+        answer = turn if key == "conversations" else {"role": "assistant", "content": answer}
+    if not isinstance(answer, dict):
+        raise BadRecordError(f"{where}: 'chosen' and 'rejected' must each be one turn or a string")
+    return {**record, key: [*turns, answer]}
+
+
+def refuse_pair(raw: dict, where: str) -> None:
+    """A preference record read for a supervised loss: one line naming the loss that trains it."""
+    if "chosen" in raw or "rejected" in raw:
+        raise BadRecordError(
+            f"{where}: a preference record ('chosen'/'rejected' answers): train it with a preference loss "
+            "(loss=dpo or loss=ipo)"
+        )
+
+
 def detect_format(raw: Any, where: str) -> str:
     """The format of a file, from its first record."""
     if isinstance(raw, dict):
+        refuse_pair(raw, where)
         if "conversations" in raw:
             return "llava"
         if isinstance(raw.get("messages"), list):
@@ -289,6 +369,8 @@ def normalize(raw: Any, fmt: str, where: str, image_root: Path, options: ReadOpt
     """One record of format `fmt` -> the common record (see the module docstring); BadRecordError if unusable."""
     if not isinstance(raw, dict):
         raise BadRecordError(f"{where}: a record must be a JSON object, not {type(raw).__name__}")
+    if not options.pairs:
+        refuse_pair(raw, where)
     if fmt == "llava":
         messages, sources = _llava(raw, where)
     elif not _has_typed_content(raw):  # string contents, "<image>" markers: sharegpt's way, in either format

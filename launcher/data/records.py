@@ -136,6 +136,7 @@ def _read_options(
         decode=decode,
         split=str(data.split or "train"),
         cache_dir=cache / "hf_datasets",
+        pairs=bool(data.pairs),
     )
 
 

@@ -61,16 +61,18 @@ _SHAPES_MARKER = "shapes.json"
 
 def prepare_data(data: DataConfig, cache: Path) -> tuple[Path, Path, Path]:
     """The built-in set's train file, eval file and image root, generated first when not cached."""
-    task = str(data.task)
-    out = cache / "data" / f"{data.name}_{task}_seed{data.seed}_n{data.n_train}_{data.n_eval}_px{data.image_size}"
+    task, pairs = str(data.task), bool(data.pairs)
+    kind = f"{task}_pairs" if pairs else task
+    name = f"{data.name}_{kind}_seed{data.seed}_n{data.n_train}_{data.n_eval}_px{data.image_size}"
     train_file, eval_file, image_root = generate_shapes(
-        out, seed=data.seed, n_train=data.n_train, n_eval=data.n_eval, image_size=data.image_size, task=task
-    )
+        cache / "data" / name, seed=data.seed, n_train=data.n_train, n_eval=data.n_eval,
+        image_size=data.image_size, task=task, pairs=pairs,
+    )  # fmt: skip
     return Path(train_file), Path(eval_file), Path(image_root)
 
 
 def generate_shapes(
-    out_dir: Path, *, seed: int, n_train: int, n_eval: int, image_size: int, task: str = "shape"
+    out_dir: Path, *, seed: int, n_train: int, n_eval: int, image_size: int, task: str = "shape", pairs: bool = False
 ) -> tuple[Path, Path, Path]:
     """Write a deterministic coloured-shapes question set; return (train json, eval json, image root).
 
@@ -79,8 +81,10 @@ def generate_shapes(
     the image (18 answers such as "red circle"), "colour" asks the shape's colour (6 answers such as
     "red"); the images are the same for the same seed whatever the task. Classes are balanced; the eval
     split holds images that do not occur in the train split. The files are ordinary LLaVA-format records
-    + PNGs, so they go through the same loader as user data. A complete set for the same arguments is
-    reused; a new one is written to a temporary directory and renamed into place.
+    + PNGs, so they go through the same loader as user data. `pairs`: preference records instead, in
+    LLaMA-Factory's format (the same images and questions; the right answer chosen, a wrong one
+    rejected). A complete set for the same arguments is reused; a new one is written to a temporary
+    directory and renamed into place.
     """
     if task not in TASKS:
         raise LauncherError(f"data.task={task} is not a task of the built-in set: choose one of {', '.join(TASKS)}")
@@ -93,6 +97,7 @@ def generate_shapes(
         "n_eval": n_eval,
         "image_size": image_size,
         "extent": list(SHAPE_EXTENT),
+        **({"pairs": True} if pairs else {}),
     }
     paths = (out_dir / "train.json", out_dir / "eval.json", out_dir / "images")
     if _read_json(out_dir / _SHAPES_MARKER) == arguments:
@@ -104,7 +109,9 @@ def generate_shapes(
     try:
         seen: set[str] = set()
         for split, count, stream in (("train", n_train, 0), ("eval", n_eval, 1)):
-            records = _draw_split(tmp_dir, split, count, np.random.default_rng([seed, stream]), image_size, task, seen)
+            records = _draw_split(
+                tmp_dir, split, count, np.random.default_rng([seed, stream]), image_size, task, seen, pairs=pairs
+            )
             (tmp_dir / f"{split}.json").write_text(json.dumps(records, indent=1) + "\n")
         (tmp_dir / _SHAPES_MARKER).write_text(json.dumps(arguments, indent=2) + "\n")
         if out_dir.exists() and _read_json(out_dir / _SHAPES_MARKER) != arguments:
@@ -120,7 +127,15 @@ def generate_shapes(
 
 
 def _draw_split(
-    out_dir: Path, split: str, count: int, rng: np.random.Generator, image_size: int, task: str, seen: set[str]
+    out_dir: Path,
+    split: str,
+    count: int,
+    rng: np.random.Generator,
+    image_size: int,
+    task: str,
+    seen: set[str],
+    *,
+    pairs: bool = False,
 ) -> list[dict[str, Any]]:
     """`count` images of one split (PNGs under out_dir/images/SPLIT, none drawn before) and their records,
     the classes balanced."""
@@ -133,6 +148,9 @@ def _draw_split(
         pixels = _draw_unseen(rng, colour, shape, image_size, seen)
         name = f"{split}/{index:05d}.png"
         Image.fromarray(pixels).save(out_dir / "images" / name)
+        if pairs:
+            records.append(_pair(f"{split}-{index:05d}", name, question, answer, colour, shape, index))
+            continue
         records.append(
             {
                 "id": f"{split}-{index:05d}",
@@ -144,6 +162,24 @@ def _draw_split(
             }
         )
     return records
+
+
+def _pair(record_id: str, image: str, question: str, answer: Any, colour: str, shape: str, index: int) -> dict:
+    """A preference record (LLaMA-Factory's format): the right answer chosen over a wrong one, whose colour
+    (or, for every other record of the shape task, shape) is another; chosen without drawing from the
+    generator, so the images are those of the question set."""
+    colours, shapes = list(COLOURS), list(SHAPES)
+    wrong_colour = colours[(colours.index(colour) + 1 + index % (len(colours) - 1)) % len(colours)]
+    wrong = (wrong_colour, shape)
+    if answer(colour, shape) != answer(colour, "") and index % 2:  # the shape task: a wrong shape instead
+        wrong = (colour, shapes[(shapes.index(shape) + 1 + index // 2 % (len(shapes) - 1)) % len(shapes)])
+    return {
+        "id": record_id,
+        "images": [image],
+        "conversations": [{"from": "human", "value": f"{IMAGE_PLACEHOLDER}\n{question}"}],
+        "chosen": {"from": "gpt", "value": answer(colour, shape)},
+        "rejected": {"from": "gpt", "value": answer(*wrong)},
+    }
 
 
 def _draw_unseen(rng: np.random.Generator, colour: str, shape: str, size: int, seen: set[str]) -> np.ndarray:

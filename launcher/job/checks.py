@@ -17,7 +17,7 @@ from typing import Any
 from launcher.config.groups import PARTS, check_schedule, group_specs
 from launcher.config.precision import Device
 from launcher.config.ranges import usable_cores
-from launcher.config.schema import Config, DataConfig, DistConfig, ModelConfig
+from launcher.config.schema import Config, DataConfig, DistConfig, ModelConfig, is_preference
 from launcher.config.stages import Stage, stage_config
 from launcher.core.errors import LauncherError
 from launcher.core.rundir import directory_problem
@@ -43,6 +43,7 @@ def check_inputs(config: Config, job: Job, *, launching: bool) -> None:
     attention kernel and image resolution, and whether this machine has a device for every rank it
     would start (not for a dry run, which may plan a job for a bigger machine)."""
     check_data(config.data)
+    check_loss(config)
     check_cache_dir(config)
     check_model_files(config.model)
     check_records(config, micro_batch=job.micro_batch, world_size=job.world_size, launching=launching)
@@ -244,6 +245,53 @@ def check_data(data: DataConfig) -> None:
     for root in filter(None, roots):
         if not Path(str(root)).expanduser().is_dir():
             raise LauncherError(f"data.image_root={root}: no such directory")
+
+
+def check_loss(cfg: Config) -> None:
+    """A preference loss (loss=dpo|ipo): its knobs, and the one-line refusals of what it cannot honour."""
+    loss, data, method = cfg.loss, cfg.data, str(cfg.method.name)
+    preference = is_preference(loss.name)
+    if bool(data.pairs) != preference:
+        raise LauncherError(
+            f"data.pairs={data.pairs} with loss={loss.name}: the loss decides whether records are preference pairs; "
+            "leave data.pairs unset"
+        )
+    if not preference:
+        return
+    if not (math.isfinite(loss.beta) and loss.beta > 0):
+        raise LauncherError(f"loss.beta={loss.beta}: it must be a positive number (DPO's usual: 0.1)")
+    if not 0 <= loss.label_smoothing < 0.5:
+        raise LauncherError(f"loss.label_smoothing={loss.label_smoothing}: it must be at least 0 and below 0.5")
+    if loss.label_smoothing and str(loss.name) != "dpo":
+        raise LauncherError(f"loss.label_smoothing={loss.label_smoothing} with loss={loss.name}: only dpo smooths")
+    refused = [
+        (bool(data.packing), "data.packing=true", "a pair's two answers are scored row by row: set data.packing=false"),
+        (bool(data.streaming), "data.streaming=true", "pairs are read and cached first: set data.streaming=false"),
+        (bool(data.sources), "data.sources (a mixture)", "train one preference set (data.path)"),
+        (bool(cfg.train.stages), "train.stages", "the reference is the model a run starts from: train the stages "
+         "as runs of their own"),
+    ]  # fmt: skip
+    for present, what, fix in refused:
+        if present:
+            raise LauncherError(f"loss={loss.name} with {what}: {fix}")
+    reference = str(loss.reference)
+    if reference == "adapter" and method not in ("lora", "qlora"):
+        raise LauncherError(
+            f"loss.reference=adapter needs method=lora or qlora (the base under the adapter is the reference); "
+            f"with method={method} use loss.reference=precomputed or live"
+        )
+    if reference == "live" and method == "qlora":
+        raise LauncherError(
+            "loss.reference=live with method=qlora would load the 4-bit base twice: use loss.reference=adapter "
+            "(the base under the adapter) or precomputed"
+        )
+    if reference == "precomputed" and not data.cache:
+        raise LauncherError(
+            "loss.reference=precomputed with data.cache=false: the log-probs are kept by the data cache's key; set "
+            "data.cache=true, or loss.reference=live (or adapter under LoRA)"
+        )
+    if loss.reference_path and reference != "precomputed":
+        raise LauncherError(f"loss.reference_path is set with loss.reference={reference}: it names a precomputed one")
 
 
 def _check_streaming(data: DataConfig) -> None:

@@ -13,6 +13,7 @@ from launcher.job.spec import Job
 from launcher.train.distributed import Rank, all_reduce_sum
 from launcher.train.engine import Engine
 from launcher.train.loaders import Data
+from launcher.train.preference import PairSums, Preference
 from launcher.train.step import answer_tokens, to_device
 
 log = logging.getLogger("launcher")
@@ -26,7 +27,12 @@ def evaluation_due(job: Job, step: int) -> bool:
 
 @torch.no_grad()
 def evaluate(
-    job: Job, engine: Engine, data: Data, rank: Rank, stop: Callable[[], bool] = lambda: False
+    job: Job,
+    engine: Engine,
+    data: Data,
+    rank: Rank,
+    stop: Callable[[], bool] = lambda: False,
+    preference: Preference | None = None,
 ) -> tuple[dict[str, float], bool]:
     """Held-out loss, the mean over every answer token of the held-out set as training averages a step
     (and exact-match accuracy when data.eval_accuracy), over all ranks; and whether some rank was asked to
@@ -38,7 +44,11 @@ def evaluate(
     ds.eval()
     pause_for_test("eval")
     loss_sum, count = 0.0, 0.0
+    pairs = PairSums()
     for batch in data.eval_loader:
+        if preference is not None:
+            pairs.add(*preference.forward(ds, batch, "eval", lambda inputs: to_device(inputs, device, engine.dtype)))
+            continue
         outputs = ds(**to_device(batch, device, engine.dtype))
         answers = answer_tokens(batch)
         loss_sum += float(outputs.loss) * answers
@@ -52,10 +62,12 @@ def evaluate(
             max_new_tokens=int(job.config.data.max_new_tokens),
             synced_gpus=engine.zero_stage == 3 and rank.world_size > 1,
         )
-    total_loss, total_count, correct, total, stop_votes = all_reduce_sum(
-        [loss_sum, count, correct, total, float(stop())], device
+    total_loss, total_count, correct, total, stop_votes, *pair_sums = all_reduce_sum(
+        [loss_sum, count, correct, total, float(stop()), *pairs.as_list()], device
     )
     metrics = {"eval/loss": total_loss / max(total_count, 1.0)}
+    if preference is not None:
+        metrics = PairSums(*pair_sums).metrics("eval")
     if data.accuracy_set is not None:
         metrics["eval/accuracy"] = correct / max(total, 1.0)
     ds.train()

@@ -33,6 +33,7 @@ from launcher.data.formats import SkipTally, skipped_entry
 from launcher.data.index import Records
 from launcher.data.length import LengthLimit, unchanged
 from launcher.data.packing import PackedCollator, PackedRows
+from launcher.data.pairs import PairCollator, PairedRows
 from launcher.data.records import ConversationDataset, LoadedData, Source, read_data, require_one_global_batch
 from launcher.data.sampling import LengthGroupedSampler, MixtureSampler, PackedSampler
 from launcher.data.shapes import prepare_data
@@ -42,6 +43,7 @@ from launcher.job.spec import Job
 from launcher.model.stats import pack_length
 from launcher.train.checkpoint import DataPosition, ResumableSampler, batches
 from launcher.train.distributed import Rank, any_rank, barrier, main_process_first
+from launcher.train.preference import PairSet
 
 log = logging.getLogger("launcher")
 
@@ -60,6 +62,8 @@ class Data:
     source_names: list[str] = field(default_factory=list)  # of a mixture (data.sources); empty otherwise
     restart: Callable[[], Iterator[dict[str, Any]]] | None = None  # `batches` anew, from `position` on
     loaders: list[Any] = field(default_factory=list)  # the DataLoaders whose persistent workers this rank owns
+    # Preference pairs (data.pairs): each split's pairs and collator, which a precomputed reference reads.
+    pair_sets: dict[str, PairSet] = field(default_factory=dict)
 
     def start_eval_workers(self) -> None:
         """Fork the evaluation loader's persistent workers now (the loop's start, beside the training
@@ -132,8 +136,12 @@ def build_data(
     else:
         built, train_cache = _indexed(job, rank, loaded, processor, guard, tally, stop)
     if loaded.eval:
-        built.eval_loader, built.accuracy_set = _held_out(job, rank, processor, loaded.eval, guard, tally, stop)
+        built.eval_loader, built.accuracy_set, eval_pairs = _held_out(
+            job, rank, processor, loaded.eval, guard, tally, stop
+        )
         built.loaders.append(built.eval_loader)
+        if eval_pairs is not None:
+            built.pair_sets["eval"] = eval_pairs
     summary.records_skipped, summary.records_too_long = tally.bad, tally.too_long
     summary.records_truncated = tally.truncated
     if train_cache is not None:
@@ -157,8 +165,12 @@ def _indexed(
     micro = job.micro_batch
     split = _split(job, rank, processor, loaded.train, "train", guard, tally, stop)
     train_set, collate, train_kept, train_cache = split
-    require_one_global_batch(len(train_set), micro, rank.world_size)  # decoding and length may drop records
     sources = train_set.sources if train_cache is not None else loaded.train.sources[train_kept]
+    pairs = None
+    if job.config.data.pairs:  # preference pairs: an item, a record of the sampler, is a pair of rows
+        train_set, collate = _paired(rank, train_set, collate, train_kept, "train")
+        pairs = PairSet(train_set, collate, train_cache.path.name if train_cache is not None else None)
+    require_one_global_batch(len(train_set), micro, rank.world_size)  # decoding and length may drop records
     sampler = _sampler(job, rank, loaded, train_set, sources)
     if job.config.data.packing:  # rows of records (the cache's lengths planned into data.pack_length tokens)
         train_set, collate = PackedRows(train_set), PackedCollator(processor, image_every_batch=guard)
@@ -185,6 +197,8 @@ def _indexed(
     # restored state a resumed run's extra draws would shift): see launcher.train.checkpoint.batches.
     # Over the position, not `built`: a cycle through `built` would keep the loader's workers alive past
     # the rank's end, and the interpreter's exit would wait on them (they ignore SIGTERM).
+    if pairs is not None:
+        built.pair_sets["train"] = pairs
     position = built.position
     built.restart = lambda: batches(train_loader, sampler, position, micro)
     built.loaders.append(train_loader)
@@ -281,12 +295,30 @@ def _loader_args(job: Job, rank: Rank) -> dict[str, Any]:
     }
 
 
+def _paired(rank: Rank, rows: Any, collate: Any, kept: Sequence[int], split: str) -> tuple[PairedRows, PairCollator]:
+    """A split's rows as preference pairs (launcher.data.pairs): those whose both records survived."""
+    paired = PairedRows(rows, kept)
+    if paired.dropped and rank.is_main:
+        log.info(
+            "data: %d %s pair(s) left out, their other answer skipped (skipped_records.jsonl)", paired.dropped, split
+        )
+    if not len(paired):
+        raise LauncherError(f"data: no {split} preference pair has both its answers left (each skipped: see the log)")
+    return paired, PairCollator(collate)
+
+
 def _held_out(
     job: Job, rank: Rank, processor: Any, records: Records, guard: bool, tally: SkipTally, stop: Callable[[], bool]
-) -> tuple[Any, Any]:
-    """The held-out loss loader and this rank's exact-match samples (None without data.eval_accuracy)."""
+) -> tuple[Any, Any, PairSet | None]:
+    """The held-out loss loader, this rank's exact-match samples (None without data.eval_accuracy), and the
+    held-out pairs (None unless data.pairs)."""
     data = job.config.data
-    eval_set, collate, kept, _ = _split(job, rank, processor, records, "eval", guard, tally, stop)
+    eval_set, collate, kept, cache = _split(job, rank, processor, records, "eval", guard, tally, stop)
+    pairs = None
+    if data.pairs:  # the held-out pairs; exact match asks for each pair's chosen answer
+        eval_set, collate = _paired(rank, eval_set, collate, kept, "eval")
+        pairs = PairSet(eval_set, collate, cache.path.name if cache is not None else None)
+        kept = [int(kept[chosen]) for chosen, _ in eval_set.pairs]
     sampler = DistributedSampler(eval_set, num_replicas=rank.world_size, rank=rank.rank, shuffle=False)
     generator = torch.Generator().manual_seed(int(job.config.train.seed))
     loader = DataLoader(
@@ -294,10 +326,11 @@ def _held_out(
         **_loader_args(job, rank),
     )  # fmt: skip
     if not data.eval_accuracy:
-        return loader, None
+        return loader, None, pairs
     # The same number of samples per rank: under ZeRO-3 the ranks' generate calls run in lock-step.
     usable = min(int(data.eval_samples), len(kept)) // rank.world_size * rank.world_size
-    return loader, ConversationDataset([records[int(i)] for i in kept[:usable][rank.rank :: rank.world_size]])
+    samples = ConversationDataset([records[int(i)] for i in kept[:usable][rank.rank :: rank.world_size]])
+    return loader, samples, pairs
 
 
 def _split(

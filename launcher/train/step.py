@@ -37,6 +37,7 @@ from launcher.train.engine import Engine, unpartitioned_grad_norm
 from launcher.train.faults import Fault
 from launcher.train.loaders import Data
 from launcher.train.memory_meter import MemoryMeter
+from launcher.train.preference import PairSums, Preference
 
 
 @dataclass
@@ -134,6 +135,7 @@ class StepState:
     last_loss: float = math.nan
     nonfinite_in_a_row: int = 0
     stop_agreed: bool = False  # some rank was asked to stop: all stop after this step
+    preference: Preference | None = None  # a preference loss (loss=dpo|ipo); None: the answers' cross-entropy
 
 
 def train_step(engine: Engine, data: Data, rank: Rank, state: StepState, step: int, *, stop: bool) -> dict[str, float]:
@@ -149,28 +151,39 @@ def train_step(engine: Engine, data: Data, rank: Rank, state: StepState, step: i
     fetch_start = time.perf_counter()
     batches = [next(data.batches) for _ in range(engine.accum)]
     wait += time.perf_counter() - fetch_start
-    answers = [answer_tokens(batch) for batch in batches]
-    (step_answers,) = all_reduce_sum([float(sum(answers))], device)
-    for batch, micro_answers in zip(batches, answers, strict=True):
+    preference = state.preference
+    # What the step's loss is the mean over: answer tokens, or preference pairs.
+    units = [pair_count(batch) if preference else answer_tokens(batch) for batch in batches]
+    (step_units,) = all_reduce_sum([float(sum(units))], device)
+    pairs = PairSums()
+    for batch, micro_units in zip(batches, units, strict=True):
         work.add(batch, state.flops)
         if RECORD_LENGTHS in batch:  # packed rows: positions that restart at every record, no attention mask
             batch = packed_inputs(ds.module, batch)
-        micro_loss = ds(**to_device(batch, device, engine.dtype)).loss  # the mean over its answer tokens
+        if preference is not None:
+            losses, chosen, rejected = preference.forward(
+                ds, batch, "train", lambda inputs: to_device(inputs, device, engine.dtype)
+            )
+            pairs.add(losses, chosen, rejected)
+            micro_loss = losses.mean()  # the mean over its pairs
+        else:
+            micro_loss = ds(**to_device(batch, device, engine.dtype)).loss  # the mean over its answer tokens
         # DeepSpeed divides by accum (and averages gradients over ranks): weighted so the sum over the
-        # step's micro-batches and ranks is the mean over all its answer tokens.
-        weight = micro_answers * engine.accum * rank.world_size / max(step_answers, 1.0)
+        # step's micro-batches and ranks is the mean over all its answer tokens (or pairs).
+        weight = micro_units * engine.accum * rank.world_size / max(step_units, 1.0)
         ds.backward(micro_loss * weight if weight != 1.0 else micro_loss)
-        loss_sum += float(micro_loss.detach()) * micro_answers
+        loss_sum += float(micro_loss.detach()) * micro_units
         if engine.grad_norm.computed_here and ds.is_gradient_accumulation_boundary():
             grad_norm = unpartitioned_grad_norm(ds)
         ds.step()
     state.fault.at(step)
     counts = [work.tokens, work.padded, work.image_tokens, work.flops, work.samples]
-    reduced = all_reduce_sum([loss_sum, float(stop), *counts], device)
+    reduced = all_reduce_sum([loss_sum, float(stop), *counts, *pairs.as_list()], device)
     loss_sum, stop_votes = reduced[:2]
-    work = Work(*reduced[2:])
+    work = Work(*reduced[2 : 2 + len(counts)])
+    pairs = PairSums(*reduced[2 + len(counts) :])
     state.stop_agreed = stop_votes > 0
-    step_loss = loss_sum / max(step_answers, 1.0)
+    step_loss = loss_sum / max(step_units, 1.0)
     check_finite(state, step, step_loss, fp16=engine.dtype == torch.float16)
     step_time = time.perf_counter() - step_start
     samples = work.samples  # records (micro x accum x ranks, unless rows are packed)
@@ -178,6 +191,7 @@ def train_step(engine: Engine, data: Data, rank: Rank, state: StepState, step: i
     state.last_loss = step_loss
     metrics = {
         "train/loss": step_loss,
+        **({key: value for key, value in pairs.metrics("train").items() if key != "train/loss"} if preference else {}),
         **applied_rates,
         "train/grad_norm": engine.grad_norm.of_step(ds, grad_norm),
         "perf/samples_per_sec": samples / step_time,
@@ -220,6 +234,11 @@ def answer_tokens(batch: dict[str, Any]) -> int:
     """The tokens a batch's loss averages over: labels not ignored (-100), after the shift by one that
     the causal-LM loss applies (the first position predicts nothing)."""
     return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
+
+
+def pair_count(batch: dict[str, Any]) -> int:
+    """The preference pairs of a batch (launcher.data.pairs): half its rows."""
+    return int(batch["input_ids"].shape[0]) // 2
 
 
 def loss_scale(optimizer: Any) -> float:

@@ -47,8 +47,9 @@ from launcher.train.faults import Fault
 from launcher.train.loaders import Data, build_data, check_mixture_position, check_same_dataset, read_records
 from launcher.train.memory_meter import PEAK, MemoryMeter
 from launcher.train.peak import device_peak
+from launcher.train.preference import PrecomputedReference, Preference, build_reference
 from launcher.train.record import Recorder, final_table
-from launcher.train.step import CpuClock, StepState, Throughput, Work, train_step
+from launcher.train.step import CpuClock, StepState, Throughput, Work, to_device, train_step
 from launcher.train.watchdog import StepWatchdog
 
 log = logging.getLogger("launcher")
@@ -131,6 +132,8 @@ def setup(
     cleanup.callback(data.shut_down_workers)
     marker = checkpoint_marker(job, engine, rank, summary, stage)
     start_step, rng = resume(job, run_dir, rank, engine, data, summary)
+    # A preference loss's reference: computed now, before the first step, when precomputed and missing.
+    preference = build_preference(job, rank, engine, data, summary, may_compute=start_step == 0, stop=stop.wanted)
     wandb = None
     if rank.is_main and job.config.logger.enabled:
         # A resume continues the W&B run whose id the first start stored in the run directory.
@@ -154,6 +157,7 @@ def setup(
         max_nonfinite=int(job.config.train.max_nonfinite_steps),
         flops=flop_model(engine),
         peak_flops=peak.flops,
+        preference=preference,
     )
     dist = job.config.dist
     watchdog = StepWatchdog(
@@ -167,6 +171,24 @@ def setup(
         job, run_dir, rank, summary, engine, data, stop, recorder, state, watchdog, marker, started, start_step,
         stage=stage,
     )  # fmt: skip
+
+
+def build_preference(
+    job: Job, rank: Rank, engine: Engine, data: Data, summary: Summary, *, may_compute: bool, stop: Any
+) -> Preference | None:
+    """A preference loss (loss=dpo|ipo) and its reference (launcher.train.preference); None for loss=sft."""
+    if not job.config.data.pairs:
+        return None
+    reference = build_reference(
+        job, rank, engine.engine, engine.dtype, engine.ds_config or job.ds_config, data.pair_sets,
+        lambda inputs: to_device(inputs, rank.device, engine.dtype), may_compute=may_compute, stop=stop,
+    )  # fmt: skip
+    summary.reference = {"kind": reference.name}
+    if isinstance(reference, PrecomputedReference):
+        summary.reference.update(path=str(reference.path), computed=reference.seconds is not None, s=reference.seconds)
+    if rank.is_main:
+        log.info("loss %s (beta %g), reference: %s", job.config.loss.name, job.config.loss.beta, reference.name)
+    return Preference(job.config.loss, reference)
 
 
 def engine_built(job: Job, engine: Engine, stage: Stage | None, summary: Summary) -> None:
@@ -238,7 +260,9 @@ def loop(run: Run, track: _Track) -> Summary:
             metrics = train_step(run.engine, run.data, run.rank, run.state, step, stop=run.stop.wanted())
         track.in_step = None
         if evaluation_due(job, step):
-            run.eval_metrics, stop_voted = evaluate(job, run.engine, run.data, run.rank, stop=run.stop.wanted)
+            run.eval_metrics, stop_voted = evaluate(
+                job, run.engine, run.data, run.rank, stop=run.stop.wanted, preference=run.state.preference
+            )
             run.state.stop_agreed |= stop_voted
             metrics.update(run.eval_metrics)
         if run.stage is not None:

@@ -464,3 +464,74 @@ def test_an_answer_keeps_its_text_as_written_and_an_empty_one_is_a_bad_record(tm
             read(path)
         records, skipped, _ = read(path, on_bad_record="skip")
         assert (len(records), skipped) == (1, 1)
+
+
+# ----------------------------------------------------------------------------- preference pairs
+def _pair_texts(records: list[dict]) -> list[tuple[str, str]]:
+    """(id, the last answer's text) of each record read."""
+    return [(r["id"], r["messages"][-1]["content"][0]["text"]) for r in records]
+
+
+def test_llama_factory_and_trl_preference_records_read_as_adjacent_chosen_and_rejected(tmp_path):
+    for name in ("a.png", "b.png"):
+        write_image(tmp_path / name)
+    records = [
+        {  # LLaMA-Factory, sharegpt style, two images
+            "id": "lf",
+            "conversations": [{"from": "human", "value": "<image><image>which is red?"}],
+            "chosen": {"from": "gpt", "value": "the first"},
+            "rejected": {"from": "gpt", "value": "the second"},
+            "images": ["a.png", "b.png"],
+        },
+        {  # LLaMA-Factory, OpenAI style, text only
+            "id": "lf-text",
+            "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}],
+            "chosen": {"role": "assistant", "content": "4"},
+            "rejected": {"role": "assistant", "content": "5"},
+        },
+        {"id": "trl", "prompt": "<image>what colour?", "chosen": "red", "rejected": "blue", "images": ["a.png"]},
+        {  # TRL, conversational, the image as a part
+            "id": "trl-chat",
+            "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "shape?"}]}],
+            "chosen": [{"role": "assistant", "content": [{"type": "text", "text": "circle"}]}],
+            "rejected": [{"role": "assistant", "content": [{"type": "text", "text": "square"}]}],
+            "images": ["b.png"],
+        },
+    ]
+    read_back, skipped, fmt = read(write_json(tmp_path / "prefs.jsonl", records, lines=True), pairs=True)
+    assert skipped == 0 and fmt == "llava"
+    assert _pair_texts(read_back) == [
+        ("lf", "the first"), ("lf#rejected", "the second"), ("lf-text", "4"), ("lf-text#rejected", "5"),
+        ("trl", "red"), ("trl#rejected", "blue"), ("trl-chat", "circle"), ("trl-chat#rejected", "square"),
+    ]  # fmt: skip
+    chosen, rejected = read_back[0], read_back[1]
+    assert chosen["images"] == rejected["images"] == [str(tmp_path / "a.png"), str(tmp_path / "b.png")]
+    assert chosen["messages"][0] == rejected["messages"][0]  # the same prompt
+    assert [r["index"] for r in read_back] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert read_back[2]["images"] == [] and read_back[2]["messages"][0]["role"] == "system"
+    assert read_back[6]["messages"][0]["content"][0] == {"type": "image"}
+
+
+@pytest.mark.parametrize(
+    ("record", "reason"),
+    [
+        ({"prompt": "q?", "chosen": "a"}, "has no 'rejected': give both, or train it with loss=sft"),
+        ({"prompt": "q?", "chosen": "a", "rejected": ""}, "has no 'rejected'"),
+        ({"prompt": "q?", "chosen": "same", "rejected": "same"}, "chosen and rejected answers are the same"),
+        ({"chosen": "a", "rejected": "b"}, "needs its prompt: 'conversations' or 'messages'"),
+        ({"prompt": 3, "chosen": "a", "rejected": "b"}, "'prompt' must be a string or a list of messages"),
+    ],
+)
+def test_a_bad_preference_record_is_one_line_naming_it(tmp_path, record, reason):
+    path = write_json(tmp_path / "prefs.json", [record])
+    with pytest.raises(LauncherError, match="prefs.json record 0: .*" + reason.replace("?", r"\?").replace("+", r"\+")):
+        read(path, pairs=True)
+    records, skipped, _ = read(write_json(tmp_path / "two.json", [record, record | {"rejected": "b", "chosen": "a",
+                               "prompt": "q?"}]), pairs=True, on_bad_record="skip")  # fmt: skip
+    assert skipped == 1 and len(records) == 2
+
+
+def test_a_preference_record_under_a_supervised_loss_names_the_loss_to_use(tmp_path):
+    path = write_json(tmp_path / "prefs.json", [{"prompt": "q?", "chosen": "a", "rejected": "b"}])
+    with pytest.raises(LauncherError, match=r"record 0: a preference record .* \(loss=dpo or loss=ipo\)"):
+        read(path)

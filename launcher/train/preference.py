@@ -1,0 +1,453 @@
+"""Preference training (loss=dpo|ipo): the losses, the reference log-probs three ways, the metrics.
+
+A batch holds B pairs as 2 x B rows (launcher.data.pairs): their chosen answers, then their rejected
+ones. One forward pass gives each row's log-probability of its answer (the sum over its answer tokens);
+the loss compares the policy's with the reference model's:
+
+    h = (log p(chosen) - log ref(chosen)) - (log p(rejected) - log ref(rejected))
+    dpo: -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)     (eps: loss.label_smoothing)
+    ipo: (h - 1 / (2 beta))^2
+
+At the start the policy is the reference: h = 0 and the DPO loss is log 2. The rewards people read are
+beta (log p - log ref) of each answer; reward accuracy is the share of pairs whose chosen answer's reward
+is the higher.
+
+The reference (loss.reference):
+  precomputed  one pass before training computes the reference's log-probs of every pair of the train
+               and eval sets with the model as it starts (the policy is the reference then), every rank a
+               share of the chunks; they are kept under cache_dir/reference/KEY (KEY: the model, method,
+               precision and the data caches), a killed pass keeps its finished chunks. Training holds
+               one model.
+  adapter      under LoRA/QLoRA, the policy's own base with the adapter disabled (no second copy).
+  live         a frozen copy of the model beside the policy, partitioned like it under ZeRO-3.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Subset
+
+from launcher.config.schema import LossConfig
+from launcher.core.children import helper_process
+from launcher.core.errors import Interrupted, LauncherError
+from launcher.data.length import IGNORE_INDEX
+from launcher.data.pairs import PAIR_INDEX
+from launcher.job.planning import cache_dir
+from launcher.job.spec import Job
+from launcher.train.distributed import Rank, any_rank, barrier
+
+log = logging.getLogger("launcher")
+
+REFERENCE_VERSION = 1
+CHUNK_PAIRS = 1024  # pairs per file of a precomputed reference: what a killed pass loses at most, per rank
+META_FILE = "meta.json"
+
+
+# ----------------------------------------------------------------------------- the losses
+def answer_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each row's log-probability of its labelled tokens (the causal shift applied), in fp32: [rows]."""
+    logits, labels = logits[:, :-1].float(), labels[:, 1:]
+    labelled = labels != IGNORE_INDEX
+    tokens = labels.masked_fill(~labelled, 0).unsqueeze(-1)
+    # gather - logsumexp: the labelled tokens' log-softmax without a second vocabulary-wide tensor.
+    token_logps = torch.gather(logits, -1, tokens).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return (token_logps * labelled).sum(-1)
+
+
+def pair_losses(
+    loss: LossConfig, policy: torch.Tensor, reference: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(each pair's loss, chosen rewards, rejected rewards) from [2, B] log-probs (row 0 chosen, 1 rejected)."""
+    beta = float(loss.beta)
+    ratios = policy - reference  # log p - log ref of each answer
+    margin = ratios[0] - ratios[1]
+    if str(loss.name) == "ipo":
+        losses = (margin - 1.0 / (2.0 * beta)) ** 2
+    else:
+        smoothing = float(loss.label_smoothing)
+        losses = -torch.nn.functional.logsigmoid(beta * margin) * (1.0 - smoothing)
+        losses = losses - torch.nn.functional.logsigmoid(-beta * margin) * smoothing
+    rewards = beta * ratios.detach()
+    return losses, rewards[0], rewards[1]
+
+
+@dataclass
+class PairSums:
+    """What a step's (or an evaluation's) pairs add up to; summed over micro-batches and ranks."""
+
+    loss: float = 0.0
+    chosen: float = 0.0  # rewards
+    rejected: float = 0.0
+    correct: float = 0.0  # pairs whose chosen reward is the higher
+    pairs: float = 0.0
+
+    def add(self, losses: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
+        self.loss += float(losses.detach().sum())
+        self.chosen += float(chosen.sum())
+        self.rejected += float(rejected.sum())
+        self.correct += float((chosen > rejected).sum())
+        self.pairs += len(losses)
+
+    def as_list(self) -> list[float]:
+        return [self.loss, self.chosen, self.rejected, self.correct, self.pairs]
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        """{prefix/loss, prefix/rewards_chosen, .../rewards_rejected, .../rewards_margin, .../rewards_accuracy}."""
+        pairs = max(self.pairs, 1.0)
+        return {
+            f"{prefix}/loss": self.loss / pairs,
+            f"{prefix}/rewards_chosen": self.chosen / pairs,
+            f"{prefix}/rewards_rejected": self.rejected / pairs,
+            f"{prefix}/rewards_margin": (self.chosen - self.rejected) / pairs,
+            f"{prefix}/rewards_accuracy": self.correct / pairs,
+        }
+
+
+# ----------------------------------------------------------------------------- one batch
+@dataclass
+class Preference:
+    """What a preference step needs beside the policy: the loss, and where the reference comes from."""
+
+    loss: LossConfig
+    reference: Reference
+
+    def forward(
+        self, ds: Any, batch: dict[str, Any], split: str, to_device: Callable[[dict], dict]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The policy's pass over a batch of pairs: (each pair's loss, chosen rewards, rejected rewards)."""
+        inputs, labels, pairs = model_inputs(batch)
+        inputs = to_device(inputs)
+        labels = labels.to(inputs["input_ids"].device)
+        policy = answer_logps(ds(**inputs).logits, labels).view(2, -1)
+        with torch.no_grad():
+            reference = self.reference.logps(ds, inputs, labels, pairs, split)
+        return pair_losses(self.loss, policy, reference.to(policy.device))
+
+
+def model_inputs(batch: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
+    """A pair batch -> (what the model takes, the labels, the pairs' positions)."""
+    inputs = {key: value for key, value in batch.items() if key not in ("labels", PAIR_INDEX)}
+    return inputs, batch["labels"], batch[PAIR_INDEX]
+
+
+class Reference:
+    """The reference's log-probs of a batch's answers: [2, B] (chosen, rejected), fp32."""
+
+    name = "reference"
+
+    def logps(self, ds: Any, inputs: dict, labels: torch.Tensor, pairs: torch.Tensor, split: str) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class PrecomputedReference(Reference):
+    """Log-probs computed before training (`precomputed_reference`), looked up by each pair's position."""
+
+    name = "precomputed"
+
+    def __init__(self, path: Path, tables: dict[str, np.ndarray], seconds: float | None = None):
+        self.path, self.tables = path, tables
+        self.seconds = seconds  # how long this start took to compute it (None: it was read)
+
+    def logps(self, ds: Any, inputs: dict, labels: torch.Tensor, pairs: torch.Tensor, split: str) -> torch.Tensor:
+        return torch.from_numpy(self.tables[split][pairs.numpy()].T.astype(np.float32))
+
+
+class AdapterReference(Reference):
+    """The policy's base: the same model with its LoRA adapter (and the modules it trains in full) disabled."""
+
+    name = "adapter"
+
+    def logps(self, ds: Any, inputs: dict, labels: torch.Tensor, pairs: torch.Tensor, split: str) -> torch.Tensor:
+        with ds.module.disable_adapter():
+            return answer_logps(ds(**inputs).logits, labels).view(2, -1)
+
+
+class LiveReference(Reference):
+    """A frozen copy of the starting model in a DeepSpeed engine of its own (no optimizer)."""
+
+    name = "live"
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    def logps(self, ds: Any, inputs: dict, labels: torch.Tensor, pairs: torch.Tensor, split: str) -> torch.Tensor:
+        return answer_logps(self.engine(**inputs).logits, labels).view(2, -1)
+
+
+# ----------------------------------------------------------------------------- the reference of a job
+def build_reference(
+    job: Job,
+    rank: Rank,
+    ds: Any,
+    dtype: torch.dtype,
+    ds_config: dict[str, Any],
+    sets: dict[str, PairSet],
+    to_device: Callable[[dict], dict],
+    *,
+    may_compute: bool,
+    stop: Callable[[], bool],
+) -> Reference:
+    """The reference loss.reference names (the job's checks refused the choices its method cannot give)."""
+    choice = str(job.config.loss.reference)
+    if choice == "adapter":
+        return AdapterReference()
+    if choice == "live":
+        return build_live_reference(job, rank, ds_config)
+    return precomputed_reference(job, rank, ds, dtype, sets, to_device, may_compute=may_compute, stop=stop)
+
+
+# ----------------------------------------------------------------------------- a live copy
+def build_live_reference(job: Job, rank: Rank, ds_config: dict[str, Any]) -> LiveReference:
+    """The frozen copy: the job's model loaded again, every weight frozen, in an engine without an
+    optimizer; ZeRO-3 partitions it as it partitions the policy, other stages hold it whole."""
+    import deepspeed
+
+    from launcher.core.logs import quiet_transformers
+    from launcher.model.loading import load_model_and_processor, resolve_attn_implementation
+
+    config = {
+        key: ds_config[key]
+        for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "bf16", "fp16")
+        if key in ds_config
+    }
+    stage = int(ds_config["zero_optimization"]["stage"])
+    config["zero_optimization"] = {"stage": 3 if stage == 3 else 0}
+    hf_ds_config = None
+    if stage == 3:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        hf_ds_config = HfDeepSpeedConfig(config)  # noqa: F841 (transformers reads it while loading)
+    model_cfg = job.config.model
+    attention = resolve_attn_implementation(
+        str(model_cfg.attn_implementation), device_kind=rank.device.type, precision=job.precision
+    )
+    quiet_transformers()
+    model, _ = load_model_and_processor(
+        str(job.model_path), attn_implementation=attention, min_pixels=model_cfg.min_pixels,
+        max_pixels=model_cfg.max_pixels,
+    )  # fmt: skip
+    model.config.use_cache = False
+    model.requires_grad_(False)
+    model.eval()
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()
+    return LiveReference(engine)
+
+
+# ----------------------------------------------------------------------------- the precomputed pass
+def reference_key(job: Job, datasets: dict[str, str | None], dtype: torch.dtype) -> str:
+    """What a precomputed reference depends on: the model (its files' names, sizes and times), the method
+    (a 4-bit base differs), the precision of the pass, and each split's data cache (its records' tokens)."""
+    parts = {
+        "version": REFERENCE_VERSION,
+        "model": str(job.model_path),
+        "files": model_files(str(job.model_path)),
+        "method": "qlora" if str(job.config.method.name) == "qlora" else "base",
+        "dtype": str(dtype),
+        "data": datasets,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def model_files(path: str) -> list[list[Any]]:
+    """[name, size, mtime] of the model directory's files (a hub id: nothing to stat)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return []
+    return sorted([p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in folder.iterdir() if p.is_file())
+
+
+@dataclass
+class PairSet:
+    """One split's pairs as the pass reads them: the dataset, its collator, its data cache's name."""
+
+    dataset: Any
+    collate: Callable[[list[Any]], dict[str, Any]]
+    cache: str | None
+
+
+@dataclass
+class _Chunks:
+    split: str
+    pairs: int
+    numbers: list[int] = field(default_factory=list)
+
+    def span(self, number: int) -> range:
+        return range(number * CHUNK_PAIRS, min(self.pairs, (number + 1) * CHUNK_PAIRS))
+
+
+def precomputed_reference(
+    job: Job,
+    rank: Rank,
+    ds: Any,
+    dtype: torch.dtype,
+    sets: dict[str, PairSet],
+    to_device: Callable[[dict], dict],
+    *,
+    may_compute: bool,
+    stop: Callable[[], bool] = lambda: False,
+) -> PrecomputedReference:
+    """The reference log-probs of every pair of `sets` (train, eval): read from loss.reference_path or
+    cache_dir/reference/KEY, or computed there first with `ds`, the policy as it starts (`may_compute`:
+    no step trained yet). Every rank computes a share of the missing chunks, in lock-step (ZeRO-3's
+    gathers need every rank's forward)."""
+    loss = job.config.loss
+    datasets = {split: pair_set.cache for split, pair_set in sets.items()}
+    key = reference_key(job, datasets, dtype)
+    given = loss.reference_path
+    path = Path(str(given)).expanduser() if given else cache_dir(job.config) / "reference" / key
+    meta = _read_json(path / META_FILE)
+    sizes = {split: len(pair_set.dataset) for split, pair_set in sets.items()}
+    if given and meta is None:
+        raise LauncherError(
+            f"loss.reference_path={given}: no precomputed reference there ({path / META_FILE} is missing); "
+            "leave loss.reference_path unset to compute one"
+        )
+    if meta is not None and meta.get("key") != key:
+        raise LauncherError(
+            f"loss.reference_path={given}: its log-probs were computed for another model or data "
+            f"({meta.get('model')}, data {meta.get('data')}; this job: {job.model_path}, data {datasets}): "
+            "point it at this job's reference, or leave it unset to compute one"
+        )
+    seconds = None
+    if meta is None:
+        if not may_compute:
+            raise LauncherError(
+                f"the precomputed reference {path} is missing, and this run has trained steps since the start "
+                "(the reference is the model as it started): restore it, or start a new run"
+            )
+        started = time.perf_counter()
+        _compute(job, rank, ds, sets, to_device, path, key, datasets, stop)
+        seconds = round(time.perf_counter() - started, 3)
+    tables = {split: _read_table(path, split, sizes[split]) for split in sets}
+    return PrecomputedReference(path, tables, seconds)
+
+
+def _compute(
+    job: Job,
+    rank: Rank,
+    ds: Any,
+    sets: dict[str, PairSet],
+    to_device: Callable[[dict], dict],
+    path: Path,
+    key: str,
+    datasets: dict[str, str | None],
+    stop: Callable[[], bool],
+) -> None:
+    started = time.perf_counter()
+    path.mkdir(parents=True, exist_ok=True)
+    todo = []  # (split, chunk number) of every chunk no earlier pass finished, the same list on every rank
+    for split, pair_set in sets.items():
+        chunks = _Chunks(split, len(pair_set.dataset))
+        todo += [(split, n) for n in range(-(-chunks.pairs // CHUNK_PAIRS)) if not _chunk_file(path, split, n).exists()]
+    if rank.is_main:
+        total = sum(len(pair_set.dataset) for pair_set in sets.values())
+        log.info("reference: computing the log-probs of %d pairs once, into %s", total, path)
+    micro = job.micro_batch
+    rounds = -(-len(todo) // rank.world_size)
+    was_training = ds.training
+    ds.eval()
+    try:
+        for number in range(rounds):
+            if any_rank(stop(), device=rank.device):
+                raise Interrupted(
+                    f"stopped by a signal while computing the reference log-probs {path}: the chunks written are "
+                    "kept, and the next start computes only the rest"
+                )
+            mine = number * rank.world_size + rank.rank
+            chunk = todo[mine] if mine < len(todo) else None
+            # Every rank runs as many forward passes as the round's longest chunk needs.
+            round_chunks = todo[number * rank.world_size :][: rank.world_size]
+            passes = max(-(-len(_Chunks(s, len(sets[s].dataset)).span(n)) // micro) for s, n in round_chunks)
+            _compute_chunk(job, rank, ds, sets, to_device, path, chunk, passes)
+    finally:
+        ds.train(was_training)
+    barrier()
+    if rank.is_main:
+        sizes = {split: len(pair_set.dataset) for split, pair_set in sets.items()}
+        meta = {
+            "version": REFERENCE_VERSION, "key": key, "model": str(job.model_path), "data": datasets, "pairs": sizes,
+            "seconds": round(time.perf_counter() - started, 3),
+        }  # fmt: skip
+        partial = path / f".{META_FILE}.{os.getpid()}"
+        partial.write_text(json.dumps(meta) + "\n")
+        os.replace(partial, path / META_FILE)  # last: its presence marks the reference complete
+        log.info("reference: %d pairs in %.1f s", sum(sizes.values()), meta["seconds"])
+    barrier()
+
+
+@torch.no_grad()
+def _compute_chunk(
+    job: Job,
+    rank: Rank,
+    ds: Any,
+    sets: dict[str, PairSet],
+    to_device: Callable[[dict], dict],
+    path: Path,
+    chunk: tuple[str, int] | None,
+    passes: int,
+) -> None:
+    """One chunk's log-probs into its file (`chunk` None: this rank has none this round), in `passes`
+    forward passes: a rank with fewer batches repeats its last one, its result dropped."""
+    split, number = chunk if chunk is not None else next((s, 0) for s in sets)
+    pair_set = sets[split]
+    span = _Chunks(split, len(pair_set.dataset)).span(number)
+    workers = int(job.config.data.num_workers)
+    loader = DataLoader(
+        Subset(pair_set.dataset, list(span) if chunk is not None else [0]), batch_size=job.micro_batch,
+        collate_fn=pair_set.collate, num_workers=workers, generator=torch.Generator(),
+        worker_init_fn=helper_process, prefetch_factor=4 if workers else None,
+    )  # fmt: skip
+    found: list[np.ndarray] = []
+    batch = None
+    iterator = iter(loader)
+    for _ in range(passes):
+        batch = next(iterator, None) or batch
+        inputs, labels, _ = model_inputs(batch)
+        inputs = to_device(inputs)
+        logps = answer_logps(ds(**inputs).logits, labels.to(inputs["input_ids"].device)).view(2, -1)
+        if chunk is not None and sum(len(f) for f in found) < len(span):
+            found.append(logps.T.double().cpu().numpy())
+    if chunk is None:
+        return
+    table = np.concatenate(found)[: len(span)]
+    file = _chunk_file(path, split, number)
+    partial = file.with_name(f".{file.name}.{os.getpid()}")
+    with open(partial, "wb") as handle:
+        np.save(handle, table)
+    os.replace(partial, file)
+
+
+def _chunk_file(path: Path, split: str, number: int) -> Path:
+    return path / f"{split}-{number:05d}.npy"
+
+
+def _read_table(path: Path, split: str, pairs: int) -> np.ndarray:
+    """One split's [pairs, 2] log-probs (chosen, rejected), from its chunk files."""
+    chunks = -(-pairs // CHUNK_PAIRS)
+    tables = [np.load(_chunk_file(path, split, n)) for n in range(chunks)]
+    table = np.concatenate(tables) if tables else np.zeros((0, 2))
+    if len(table) != pairs:
+        raise LauncherError(
+            f"{path}: the precomputed reference holds {len(table)} {split} pairs, the data {pairs}: delete it to "
+            "have it computed again"
+        )
+    return table
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
