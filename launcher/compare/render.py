@@ -85,15 +85,21 @@ def _host_cell(row: RunRow) -> str:
 
 
 def _numeric_headers(rows: Sequence[RunRow]) -> tuple[str, ...]:
-    """GPU runs add the host's memory beside the device's: an offload preset moves bytes, not saves them."""
+    """GPU runs add the host's memory beside the device's: an offload preset moves bytes, not saves them.
+    Preference runs (loss=dpo|ipo) add their held-out reward accuracy after the exact match."""
+    headers = _NUMERIC_HEADERS
+    if any(row.reward_accuracy is not None for row in rows):
+        at = headers.index("eval acc") + 1
+        headers = (*headers[:at], "reward acc", *headers[at:])
     if any(row.host_memory_bytes is not None for row in rows):
-        return (*_NUMERIC_HEADERS[:-1], "host mem", _NUMERIC_HEADERS[-1])
-    return _NUMERIC_HEADERS
+        return (*headers[:-1], "host mem", headers[-1])
+    return headers
 
 
 def table(rows: Sequence[RunRow], keys: Sequence[str]) -> tuple[list[str], list[list[str]]]:
     """Headers and formatted cells of the comparison table (rows already sorted)."""
     host = "host mem" in _numeric_headers(rows)
+    rewards = "reward acc" in _numeric_headers(rows)
     headers = ["run", *keys, "status", *_numeric_headers(rows)]
     cells = [
         [
@@ -104,6 +110,7 @@ def table(rows: Sequence[RunRow], keys: Sequence[str]) -> tuple[list[str], list[
             _fmt(row.final_loss, 4),
             _fmt(row.eval_loss, 4),
             _fmt(row.eval_accuracy, 3),
+            *([_fmt(row.reward_accuracy, 3)] if rewards else []),
             _fmt(row.samples_per_sec, 1),
             _fmt(row.tokens_per_sec, 0),
             _percent(row.padding_frac),
@@ -186,6 +193,7 @@ _CSV_FIELDS = (
     "final_loss",
     "eval_loss",
     "eval_accuracy",
+    "reward_accuracy",
     "samples_per_sec",
     "tokens_per_sec",
     "padding_frac",

@@ -57,6 +57,7 @@ class RunRow:
     final_loss: float | None = None
     eval_loss: float | None = None
     eval_accuracy: float | None = None
+    reward_accuracy: float | None = None  # a preference loss's held-out reward accuracy
     samples_per_sec: float | None = None
     tokens_per_sec: float | None = None
     """Real (non-padding) tokens per second."""
@@ -260,6 +261,7 @@ def build_row(
         final_loss=pick("final_loss", "train/loss"),
         eval_loss=pick("eval_loss", "eval/loss"),
         eval_accuracy=pick("eval_accuracy", "eval/accuracy"),
+        reward_accuracy=pick("eval_rewards_accuracy", "eval/rewards_accuracy"),
         samples_per_sec=pick("samples_per_sec", "perf/samples_per_sec"),
         tokens_per_sec=pick("tokens_per_sec", "perf/tokens_per_sec"),
         padding_frac=pick("padding_frac", "perf/padding_frac"),

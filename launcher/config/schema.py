@@ -70,6 +70,7 @@ DeepSpeedPreset = _choice("DeepSpeedPreset", ("z0", "z1", "z2", "z3", "z2_offloa
 OBJECTIVES = {
     "eval/loss": "eval_loss",
     "eval/accuracy": "eval_accuracy",
+    "eval/rewards_accuracy": "eval_rewards_accuracy",  # a preference loss's (loss=dpo|ipo)
     "train/loss": "final_loss",
     "perf/samples_per_sec": "samples_per_sec",
     "perf/tokens_per_sec": "tokens_per_sec",

@@ -25,6 +25,9 @@ class Summary:
     final_loss: float | None = None
     eval_loss: float | None = None
     eval_accuracy: float | None = None
+    # A preference loss: the held-out pairs whose chosen answer's reward is the higher, and the mean margin.
+    eval_rewards_accuracy: float | None = None
+    eval_rewards_margin: float | None = None
     samples_per_sec: float | None = None
     tokens_per_sec: float | None = None  # real (non-padding) tokens
     padding_frac: float | None = None  # of the token slots of the measured steps' batches, padding

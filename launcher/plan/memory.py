@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from launcher.config.precision import fastest_precisions, precision_of
+from launcher.config.schema import PREFERENCE_LOSSES
 from launcher.core.errors import LauncherError
 from launcher.model.stats import ModelStats
 
@@ -267,10 +268,11 @@ class Estimate:
     cpu_per_node: int  # CPU memory per node: offloaded states, or loading the checkpoint
     nvme_per_node: int
     seq_len: int
+    reference: int = 0  # a preference loss's live reference copy (loss.reference=live), on the device
 
     @property
     def device_total(self) -> int:
-        return self.states.on_device + self.step + self.buffers + self.activations
+        return self.states.on_device + self.reference + self.step + self.buffers + self.activations
 
 
 def step_and_buffer_bytes(stats: ModelStats, layout: Layout) -> tuple[int, int]:
@@ -302,8 +304,24 @@ def step_and_buffer_bytes(stats: ModelStats, layout: Layout) -> tuple[int, int]:
     return step, buffers
 
 
-def estimate(stats: ModelStats, layout: Layout, *, seq_len: int, images: int = 1) -> Estimate:
+def estimate(
+    stats: ModelStats,
+    layout: Layout,
+    *,
+    seq_len: int,
+    images: int = 1,
+    pairs: bool = False,
+    live_reference: bool = False,
+) -> Estimate:
     """Everything one configuration needs: see model_state_bytes, step_and_buffer_bytes, activation_bytes.
+
+    A preference loss (`pairs`, loss=dpo|ipo) runs each sample as two rows, its chosen and its rejected
+    answer: twice the activations. Its reference costs nothing on the device when precomputed (a table of
+    two numbers per pair) or the policy's own base (loss.reference=adapter); a live copy
+    (`live_reference`) holds every weight in the training precision, e P (stages 0-2) or its ZeRO-3
+    partition e P / N (plus the weights below the persistence threshold, which every rank keeps whole),
+    in CPU memory where the policy's weights are offloaded; no gradients, no optimizer, and activations
+    only transiently (it runs without grad).
 
     CPU per node = max(loading, offloaded): before DeepSpeed takes the model, each rank on the node
     loads the checkpoint into CPU memory (load_bytes x P per rank; at stage 3 transformers partitions
@@ -312,7 +330,13 @@ def estimate(stats: ModelStats, layout: Layout, *, seq_len: int, images: int = 1
     persistent = stats.persistent(layout.persistence_threshold) if layout.stage == 3 else 0
     states = model_state_bytes(stats.total, stats.trainable, layout, persistent=persistent)
     step, buffers = step_and_buffer_bytes(stats, layout)
-    activations = activation_bytes(stats, layout, seq_len=seq_len, images=images)
+    activations = activation_bytes(stats, layout, seq_len=seq_len, images=images) * (2 if pairs else 1)
+    reference = reference_on_cpu = 0
+    if live_reference:
+        held = _ceil_div(stats.total, layout.world_size) + persistent if layout.stage == 3 else stats.total
+        reference = BYTES[layout.dtype] * held
+        if layout.offload_param != "none":  # offloaded with the policy's weights (NVMe: to the CPU)
+            reference, reference_on_cpu = 0, reference
     ranks = layout.ranks_per_node
     if layout.stage == 3:
         loading = ranks * stats.load_bytes * stats.largest_layer
@@ -323,7 +347,7 @@ def estimate(stats: ModelStats, layout: Layout, *, seq_len: int, images: int = 1
         swap += layout.nvme_buffer_count * layout.nvme_buffer_size * BYTES[layout.dtype]
     if layout.offload_optimizer == "nvme":
         swap += 16 * min(layout.sub_group_size, _ceil_div(stats.trainable, layout.world_size))
-    cpu = max(loading, ranks * (states.on_cpu + swap))
+    cpu = max(loading, ranks * (states.on_cpu + swap + reference_on_cpu))
     return Estimate(
         layout=layout,
         states=states,
@@ -333,7 +357,14 @@ def estimate(stats: ModelStats, layout: Layout, *, seq_len: int, images: int = 1
         cpu_per_node=cpu,
         nvme_per_node=ranks * states.on_nvme,
         seq_len=seq_len,
+        reference=reference,
     )
+
+
+def preference_terms(loss: Any) -> dict[str, bool]:
+    """estimate()'s arguments for a job's loss config: pairs (loss=dpo|ipo) and a live reference copy."""
+    pairs = str(loss.name) in PREFERENCE_LOSSES
+    return {"pairs": pairs, "live_reference": pairs and str(loss.reference) == "live"}
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from launcher.plan.memory import (
     estimate,
     fits,
     layout_from_ds_config,
+    preference_terms,
     recommend,
 )
 
@@ -112,7 +113,7 @@ def plan_rows(
             layout = layout_from_ds_config(
                 variant.ds_config, world_size=variant.world_size, ranks_per_node=variant.ranks_per_node
             )
-            est = estimate(stats, layout, seq_len=seq_len, images=images)
+            est = estimate(stats, layout, seq_len=seq_len, images=images, **preference_terms(cfg.loss))
             ok, why = fits(est, target)
             rows.append(Row(preset, dtype, est, ok, why))
     return rows
@@ -165,7 +166,7 @@ def preflight(cfg: Config, spec: Job) -> str | None:
     target = target_device(cfg.plan)
     seq_len, images = sequence(cfg, stats)
     layout = layout_from_ds_config(spec.ds_config, world_size=spec.world_size, ranks_per_node=spec.ranks_per_node)
-    est = estimate(stats, layout, seq_len=seq_len, images=images)
+    est = estimate(stats, layout, seq_len=seq_len, images=images, **preference_terms(cfg.loss))
     ok, why = fits(est, target)
     if ok:
         return None
@@ -176,7 +177,9 @@ def preflight(cfg: Config, spec: Job) -> str | None:
     else:
         advice = "no preset is expected to fit: lower train.micro_batch_size or data.max_length, or add ranks"
     return (
-        f"memory plan: {layout.describe()} {why} (model states {est.states.on_device / GiB:.1f}, activations "
+        f"memory plan: {layout.describe()} {why} (model states {est.states.on_device / GiB:.1f}"
+        + (f", reference copy {est.reference / GiB:.1f}" if est.reference else "")
+        + f", activations "
         f"{est.activations / GiB:.1f} at micro batch {layout.micro_batch} x {seq_len} tokens, buffers "
         f"{(est.step + est.buffers) / GiB:.1f}); usable: {target.usable_device / GiB:.1f} GiB of "
         f"{target.device_bytes / GiB:.1f} ({target.source}, plan.headroom={target.headroom:g}); {advice}; "
@@ -214,7 +217,7 @@ def format_table(rows: Sequence[Row], stats: ModelStats, *, markdown: bool = Fal
         line = [
             row.preset,
             row.dtype,
-            amount(est.states.on_device),
+            amount(est.states.on_device + est.reference),  # a live reference copy's weights with the policy's
             amount(est.activations),
             amount(est.step + est.buffers),
             amount(est.device_total),

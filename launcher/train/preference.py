@@ -180,6 +180,8 @@ class LiveReference(Reference):
 
     def __init__(self, engine: Any):
         self.engine = engine
+        # Elements this rank holds: a ZeRO-3 partition (ds_tensor), else every weight.
+        self.params_held = sum(getattr(p, "ds_tensor", p).numel() for p in engine.module.parameters())
 
     def logps(self, ds: Any, inputs: dict, labels: torch.Tensor, pairs: torch.Tensor, split: str) -> torch.Tensor:
         return answer_logps(self.engine(**inputs).logits, labels).view(2, -1)
@@ -210,7 +212,8 @@ def build_reference(
 # ----------------------------------------------------------------------------- a live copy
 def build_live_reference(job: Job, rank: Rank, ds_config: dict[str, Any]) -> LiveReference:
     """The frozen copy: the job's model loaded again, every weight frozen, in an engine without an
-    optimizer; ZeRO-3 partitions it as it partitions the policy, other stages hold it whole."""
+    optimizer; ZeRO-3 partitions it as it partitions the policy (and offloads it where the policy's
+    weights are offloaded: to the CPU), other stages hold it whole."""
     import deepspeed
 
     from launcher.core.logs import quiet_transformers
@@ -221,8 +224,13 @@ def build_live_reference(job: Job, rank: Rank, ds_config: dict[str, Any]) -> Liv
         for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "bf16", "fp16")
         if key in ds_config
     }
-    stage = int(ds_config["zero_optimization"]["stage"])
-    config["zero_optimization"] = {"stage": 3 if stage == 3 else 0}
+    zero = ds_config["zero_optimization"]
+    stage = int(zero["stage"])
+    config["zero_optimization"] = {"stage": 0}
+    if stage == 3:  # the policy's partitioning (and parameter offload: to the CPU, NVMe swap files being its own)
+        config["zero_optimization"] = {key: value for key, value in zero.items() if key != "offload_optimizer"}
+        if zero.get("offload_param", {}).get("device") == "nvme":
+            config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     hf_ds_config = None
     if stage == 3:
         from transformers.integrations import HfDeepSpeedConfig

@@ -98,6 +98,8 @@ def final_table(summary: Summary, run_dir: RunDir, wandb_line: str | None) -> st
         held_out = f"held-out {figure(summary.eval_loss)}"
         if summary.eval_accuracy is not None:
             held_out += f", exact match {figure(summary.eval_accuracy, 3)}"
+        if summary.eval_rewards_accuracy is not None:
+            held_out += f", reward accuracy {figure(summary.eval_rewards_accuracy, 3)}"
         loss += f" ({held_out})"
     rows = [
         ("loss", loss),

@@ -47,7 +47,7 @@ from launcher.train.faults import Fault
 from launcher.train.loaders import Data, build_data, check_mixture_position, check_same_dataset, read_records
 from launcher.train.memory_meter import PEAK, MemoryMeter
 from launcher.train.peak import device_peak
-from launcher.train.preference import PrecomputedReference, Preference, build_reference
+from launcher.train.preference import LiveReference, PrecomputedReference, Preference, build_reference
 from launcher.train.record import Recorder, final_table
 from launcher.train.step import CpuClock, StepState, Throughput, Work, to_device, train_step
 from launcher.train.watchdog import StepWatchdog
@@ -184,6 +184,8 @@ def build_preference(
         lambda inputs: to_device(inputs, rank.device, engine.dtype), may_compute=may_compute, stop=stop,
     )  # fmt: skip
     summary.reference = {"kind": reference.name}
+    if isinstance(reference, LiveReference):
+        summary.reference["params_held"] = reference.params_held
     if isinstance(reference, PrecomputedReference):
         summary.reference.update(path=str(reference.path), computed=reference.seconds is not None, s=reference.seconds)
     if rank.is_main:
@@ -396,6 +398,8 @@ def finish(run: Run, stopped_at: int | None) -> Summary:
     summary.final_loss = run.state.last_loss
     summary.eval_loss = run.eval_metrics.get("eval/loss")
     summary.eval_accuracy = run.eval_metrics.get("eval/accuracy")
+    summary.eval_rewards_accuracy = run.eval_metrics.get("eval/rewards_accuracy")
+    summary.eval_rewards_margin = run.eval_metrics.get("eval/rewards_margin")
     summary.samples_per_sec = throughput.per_second(throughput.samples)
     summary.tokens_per_sec = throughput.per_second(throughput.tokens)
     if throughput.seconds:

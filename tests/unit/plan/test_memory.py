@@ -161,6 +161,25 @@ def test_step_and_buffers_by_hand():
     assert memory.step_and_buffer_bytes(stats, offloaded) == (0, 2 * (8 + 100))  # a bucket is at most the model
 
 
+def test_a_preference_loss_doubles_the_activations_and_only_a_live_reference_costs_weights():
+    stats = ModelStats(**{**tiny_stats().__dict__, "total": G, "trainable": G, "largest_layer": G // 100})
+    layout = Layout(stage=3, dtype="bf16", world_size=8, ranks_per_node=8, persistence_threshold=0)
+    sft = estimate(stats, layout, seq_len=7)
+    pairs = estimate(stats, layout, seq_len=7, pairs=True)  # precomputed or adapter: no second model
+    live = estimate(stats, layout, seq_len=7, pairs=True, live_reference=True)
+    assert pairs.activations == 2 * sft.activations and pairs.reference == 0
+    assert live.reference == 2 * G // 8  # bf16 weights, partitioned like the policy at ZeRO-3
+    assert live.device_total == pairs.device_total + live.reference
+    whole = estimate(stats, Layout(stage=2, dtype="bf16", world_size=8), seq_len=7, pairs=True, live_reference=True)
+    assert whole.reference == 2 * G  # below ZeRO-3 every rank holds the whole copy
+    offloaded = Layout(
+        stage=3, dtype="bf16", world_size=8, ranks_per_node=8, offload_param="cpu", persistence_threshold=0
+    )
+    on_cpu = estimate(stats, offloaded, seq_len=7, pairs=True, live_reference=True)
+    without = estimate(stats, offloaded, seq_len=7, pairs=True)
+    assert on_cpu.reference == 0 and on_cpu.cpu_per_node == without.cpu_per_node + 8 * 2 * G // 8
+
+
 def test_cpu_memory_per_node_is_loading_or_offloaded_states():
     stats = ModelStats(**{**tiny_stats().__dict__, "total": G, "trainable": G, "largest_layer": G // 100})
     est = estimate(stats, Layout(stage=2, dtype="bf16", world_size=8, ranks_per_node=8), seq_len=1)
