@@ -5,6 +5,7 @@ tests/unit/launch/test_run.py."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -153,3 +154,41 @@ def test_a_deepspeed_monitor_without_its_package_is_refused_before_any_rank_star
     if importlib.util.find_spec("comet_ml") is None:
         with pytest.raises(LauncherError, match=r"comet monitor is enabled .* the comet_ml package is not installed"):
             check_monitor_packages({"comet": {"enabled": True}})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["data.pairs=true"], "data.pairs=True with loss=sft: the loss decides"),
+        (["loss=dpo", "data.pairs=false"], "data.pairs=False with loss=dpo"),
+        (["loss=dpo", "loss.beta=0"], "loss.beta=0.0: it must be a positive number"),
+        (["loss=dpo", "loss.label_smoothing=0.5"], "loss.label_smoothing=0.5: it must be at least 0 and below 0.5"),
+        (["loss=ipo", "loss.label_smoothing=0.1"], "loss.label_smoothing=0.1 with loss=ipo: only dpo smooths"),
+        (["loss=dpo", "data.packing=true", "data.max_length=64"], "loss=dpo with data.packing=true: a pair's"),
+        (["loss=dpo", "data.streaming=true"], "loss=dpo with data.streaming=true"),
+        (["loss=dpo", "data=mixture", "data.sources=[{path: a.json}]"], "loss=dpo with data.sources"),
+        (["loss=dpo", "train.stages=[{steps: 2, train: [language]}]"], "loss=dpo with train.stages"),
+        (["loss=dpo", "loss.reference=adapter"], "loss.reference=adapter needs method=lora or qlora"),
+        (["loss=dpo", "loss.reference=live", "method=qlora"], "loss.reference=live with method=qlora"),
+        (["loss=dpo", "data.cache=false"], "loss.reference=precomputed with data.cache=false"),
+        (["loss=dpo", "loss.reference=live", "loss.reference_path=/x"], "loss.reference_path is set with"),
+    ],
+)
+def test_a_preference_loss_refuses_what_it_cannot_honour_in_one_line(overrides, message):
+    with pytest.raises(LauncherError, match=re.escape(message)) as caught:
+        checks.check_loss(compose_typed(overrides))
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["loss=dpo"],
+        ["loss=ipo"],
+        ["loss=dpo", "method=lora", "loss.reference=adapter"],
+        ["loss=dpo", "loss.reference=live"],
+    ],
+)
+def test_the_preference_losses_people_run_pass_the_checks(overrides):
+    checks.check_loss(compose_typed(overrides))

@@ -63,6 +63,28 @@ class Case:
 
 
 CASES = [
+    # ------------------------------------------------------------------ preference pairs (loss=dpo|ipo)
+    Case(
+        "preference-record-without-rejected",
+        ("loss=dpo", "data=llava_json", "data.path={data}/no_rejected.json"),
+        "{data}/no_rejected.json record 3: a preference record needs a 'chosen' and a 'rejected' answer",
+    ),
+    Case(
+        "preference-record-same-answers",
+        ("loss=dpo", "data=llava_json", "data.path={data}/same_answers.json"),
+        "{data}/same_answers.json record 1: its chosen and rejected answers are the same: nothing to prefer",
+    ),
+    Case(
+        "preference-record-under-sft",
+        ("data=llava_json", "data.path={data}/pairs.json"),
+        "{data}/pairs.json record 0: a preference record ('chosen'/'rejected' answers): train it with a preference",
+    ),
+    Case(
+        "dpo-with-packing", ("loss=dpo", "data.packing=true", "data.max_length=64"), "loss=dpo with data.packing=true"
+    ),
+    Case(
+        "dpo-adapter-without-lora", ("loss=dpo", "loss.reference=adapter"), "loss.reference=adapter needs method=lora"
+    ),
     # ------------------------------------------------------------------ data
     Case(
         "data-path-is-a-plain-folder",
@@ -613,6 +635,10 @@ def data_dir(tmp_path_factory) -> Path:
     files["markers.json"] = json.dumps([GOOD, {**GOOD, "conversations": two_markers}] * 4)
     files["unknown.json"] = json.dumps([{"question": "what?", "answer": "red"}] * 8)
     files["long_name.json"] = json.dumps([GOOD, {**GOOD, "image": "images/" + "x" * 5000}])
+    pair = {"images": ["images/ok.png"], "prompt": "<image>what?", "chosen": "red", "rejected": "blue"}
+    files["pairs.json"] = json.dumps([pair] * 8)
+    files["no_rejected.json"] = json.dumps([pair] * 3 + [{**pair, "rejected": None}] + [pair] * 4)
+    files["same_answers.json"] = json.dumps([pair, {**pair, "rejected": "red"}] + [pair] * 6)
     for name, text in files.items():
         (root / name).write_text(text)
     (root / "images" / "loop").symlink_to(root / "images" / "loop")  # a symlink to itself
