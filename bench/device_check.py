@@ -222,12 +222,17 @@ def run_pytest(check: Check) -> str:
 
 def train_runs(check: Check, steps: int) -> str:
     # A CPU refuses fp16; CPU mode (the test suite's run of this script) checks the plumbing with ZeRO's two
-    # ends and both precisions, not every row (each run is a `python train.py` of ~20 s there).
-    runs = (
-        [("z0", "bf16"), ("z3", "fp32")]
+    # ends and both precisions, not every row (each run is a `python train.py` of ~20 s there). On a GPU, DPO
+    # too (docs/preference.md): a live reference partitioned at ZeRO-3, and QLoRA's base as the reference.
+    runs: list[tuple[str, str, tuple[str, ...]]] = (
+        [("z0", "bf16", ()), ("z3", "fp32", ())]
         if check.cpu
-        else [("z0", "bf16"), ("z2", "bf16"), ("z3", "bf16"), ("z2", "fp16")]
-    )
+        else [
+            ("z0", "bf16", ()), ("z2", "bf16", ()), ("z3", "bf16", ()), ("z2", "fp16", ()),
+            ("z3", "bf16", ("loss=dpo", "data.task=colour", "loss.reference=live")),
+            ("z0", "bf16", ("loss=dpo", "data.task=colour", "method=qlora", "loss.reference=adapter")),
+        ]
+    )  # fmt: skip
     table = check.out / "train.md"
     table.write_text(
         "## Tiny model, `python train.py` (one device)\n\n"
@@ -236,8 +241,8 @@ def train_runs(check: Check, steps: int) -> str:
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|\n"
     )
     failed = []
-    for preset, precision in runs:
-        name = f"{preset}-{precision}"
+    for preset, precision, extra in runs:
+        name = "-".join([preset, precision, *(part.split("=")[1] for part in extra if "reference=" in part)])
         run_dir = check.work / "train" / name
         command = [
             sys.executable,
@@ -249,6 +254,7 @@ def train_runs(check: Check, steps: int) -> str:
             "data.eval_accuracy=false",
             "logger=none",
             f"hydra.run.dir={run_dir}",
+            *extra,
         ]
         code, output = check.run(command, 150)
         row = train_row(name, run_dir, code, output)

@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader, Subset
 from launcher.config.schema import LossConfig
 from launcher.core.children import helper_process
 from launcher.core.errors import Interrupted, LauncherError
+from launcher.core.signals import pause_for_test
 from launcher.data.length import IGNORE_INDEX
 from launcher.data.pairs import PAIR_INDEX
 from launcher.job.planning import cache_dir
@@ -427,6 +428,7 @@ def _compute_chunk(
         logps = answer_logps(ds(**inputs).logits, labels.to(inputs["input_ids"].device)).view(2, -1)
         if chunk is not None and sum(len(f) for f in found) < len(span):
             found.append(logps.T.double().cpu().numpy())
+        pause_for_test("reference")  # the tests' stop signals land here, mid-chunk (a no-op otherwise)
     if chunk is None:
         return
     table = np.concatenate(found)[: len(span)]

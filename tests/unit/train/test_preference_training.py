@@ -56,6 +56,10 @@ def test_dpo_starts_at_log_2_and_its_references_agree_and_a_stopped_run_resumes_
     first = train_in_process(*JOB, run_dir=stopped.path)
     assert first.outcome.status == "preempted" and read_summary(stopped.path)["steps"] == 1
     stopped.stop_file.unlink()
+    kept = Path(reference["path"]).rename(tmp_path / "kept")  # the reference gone: a trained run cannot remake it
+    refused = train_in_process(f"resume={stopped.path}", run_dir=stopped.path)
+    assert refused.outcome.status == "failed" and "is missing, and this run has trained steps" in refused.outcome.error
+    kept.rename(reference["path"])
     resumed = train_in_process(f"resume={stopped.path}", run_dir=stopped.path)
     assert resumed.outcome.status == "completed", resumed.outcome.error
     assert read_summary(stopped.path)["reference"]["computed"] is False
@@ -73,7 +77,9 @@ def test_dpo_starts_at_log_2_and_its_references_agree_and_a_stopped_run_resumes_
 def test_under_lora_the_adapter_disabled_is_the_same_reference_as_a_precomputed_one(train_in_process, tmp_path):
     runs = {}
     for reference in ("precomputed", "adapter"):
-        ran = train_in_process(*JOB, "method=lora", f"loss.reference={reference}", run_dir=tmp_path / reference)
+        # Other data than the test above, whose reference it moves away for a while.
+        overrides = (*JOB, "data.n_train=56", "method=lora", f"loss.reference={reference}")
+        ran = train_in_process(*overrides, run_dir=tmp_path / reference)
         assert ran.outcome.status == "completed", ran.outcome.error
         runs[reference] = ran.run_dir
     assert losses(runs["adapter"])[0] == pytest.approx(math.log(2.0), abs=1e-6)
