@@ -165,6 +165,12 @@ def render_markdown(rows: Sequence[RunRow], keys: Sequence[str], title: str, ima
             " set); host mem: a GPU run's peak host resident set, with its page-locked part (offloaded states)."
             if "host mem" in headers
             else ""
+        )
+        + (
+            " reward acc: the share of held-out preference pairs whose chosen answer's reward is the higher"
+            " (loss=dpo|ipo)."
+            if "reward acc" in headers
+            else ""
         ),
         "",
         "| " + " | ".join(_md_cell(h) for h in headers) + " |",

@@ -79,6 +79,18 @@ PLANNED: list[tuple[str, str, Callable[[list[dict[str, Any]]], bool]]] = [
         lambda dicts: len(dicts) == 1,
     ),
     (
+        "train.py loss=dpo data.task=colour",
+        "tests/e2e/test_preference.py trains the built-in preference task (1,024 pairs, 2 ranks, ZeRO-0 and "
+        "ZeRO-3) to a held-out reward accuracy of 0.95, tests/unit/train/test_preference_training.py at 1 rank",
+        lambda dicts: len(dicts) == 1,
+    ),
+    (
+        "loss=dpo data=llava_json data.path=/data/prefs.jsonl method=lora loss.reference=adapter",
+        "tests/unit/train/test_preference_training.py trains DPO under LoRA with the adapter's base as the "
+        "reference; here this preference file's pairs are indexed and the job planned",
+        lambda dicts: len(dicts) == 1,
+    ),
+    (
         "+deepspeed_extra.zero_optimization.stage3_max_reuse_distance=1e9",
         "ZeRO-3 on 1 rank trains in tests/e2e/test_sweep.py (fp32) and test_device_check.py (bf16); here the "
         "extra key reaches the dict",
@@ -191,6 +203,17 @@ def data(work: Path) -> Path:
         turns = [{"from": "human", "value": "<image>\n" * len(images) + question}, {"from": "gpt", "value": answer}]
         records.append({"id": f"l{index}", "image": images, "conversations": turns})
     (root / "train.json").write_text(json.dumps(records))
+    pairs = [  # the same questions as preference pairs (TRL's format): the right colours over a wrong answer
+        {
+            "prompt": turns[0]["value"],
+            "chosen": turns[1]["value"],
+            "rejected": "purple",
+            "images": [f"images/{name}" for name in record["image"]],
+        }
+        for record in records
+        for turns in [record["conversations"]]
+    ]
+    (root / "prefs.jsonl").write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
     return root
 
 
@@ -209,7 +232,9 @@ def state(work: Path) -> dict[str, Path]:
 
 
 def _substitute(text: str, data: Path) -> str:
-    return text.replace("/data/train.json", str(data / "train.json")).replace("/data/images", str(data / "images"))
+    for made_up in ("train.json", "prefs.jsonl", "images"):
+        text = text.replace(f"/data/{made_up}", str(data / made_up))
+    return text
 
 
 def _train_argv(args: list[str], name: str, work: Path, planned: bool) -> list[str]:

@@ -140,3 +140,18 @@ def test_gpu_runs_show_host_memory_beside_device_memory():
         [],
     )
     assert "host mem" not in render.table([cpu], [])[0] and cpu.host_memory_bytes is None
+
+
+def test_preference_runs_show_their_held_out_reward_accuracy():
+    """A DPO run's summary holds eval_rewards_accuracy: the table adds a `reward acc` column after exact match."""
+
+    def row(name: str, summary: dict):
+        return build_row(name, name, "completed", {"status": "completed", **summary}, {"loss": name}, [], {}, [])
+
+    rows = [row("dpo", {"eval_loss": 0.56, "eval_rewards_accuracy": 0.9922}), row("sft", {"eval_loss": 0.4})]
+    headers, cells = render.table(rows, ["loss"])
+    at = headers.index("eval acc") + 1
+    assert headers[at] == "reward acc"
+    assert [cell[at] for cell in cells] == ["0.992", "-"]
+    assert "reward acc: the share of held-out preference pairs" in render.render_markdown(rows, ["loss"], "t", None)
+    assert "reward acc" not in render.table([rows[1]], [])[0]

@@ -1,5 +1,6 @@
 """Preference training in this process, on gloo (loss=dpo): the loss starts at log 2, the three references
-give the same losses, a stopped run resumes bitwise, and a reference of other data is refused in one line.
+give the same losses (LLaVA and Qwen2-VL), a stopped run resumes bitwise, and a reference of other data is
+refused in one line.
 Two ranks, ZeRO-3 and learning the built-in preference task: tests/e2e/test_preference.py."""
 
 from __future__ import annotations
@@ -85,3 +86,16 @@ def test_under_lora_the_adapter_disabled_is_the_same_reference_as_a_precomputed_
     assert losses(runs["adapter"])[0] == pytest.approx(math.log(2.0), abs=1e-6)
     assert losses(runs["adapter"]) == pytest.approx(losses(runs["precomputed"]), abs=1e-5)
     assert _eval_losses(runs["adapter"]) == pytest.approx(_eval_losses(runs["precomputed"]), abs=1e-5)
+
+
+def test_the_qwen2_vl_family_starts_at_log_2_and_its_references_agree(train_in_process, tmp_path):
+    """Qwen2-VL's rows carry image grids and token types beside the pixels: the pairs' batches keep them."""
+    runs = {}
+    for reference in ("precomputed", "live"):
+        overrides = (*JOB, "model=tiny_qwen2_vl", "train.max_steps=2", f"loss.reference={reference}")
+        ran = train_in_process(*overrides, run_dir=tmp_path / reference)
+        assert ran.outcome.status == "completed", ran.outcome.error
+        runs[reference] = ran.run_dir
+    assert losses(runs["precomputed"])[0] == pytest.approx(math.log(2.0), abs=1e-6)
+    assert losses(runs["live"]) == pytest.approx(losses(runs["precomputed"]), abs=1e-5)
+    assert _eval_losses(runs["live"]) == pytest.approx(_eval_losses(runs["precomputed"]), abs=1e-5)
