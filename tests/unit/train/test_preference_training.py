@@ -75,27 +75,23 @@ def test_dpo_starts_at_log_2_and_its_references_agree_and_a_stopped_run_resumes_
     assert "\n" not in other_data.outcome.error
 
 
-def test_under_lora_the_adapter_disabled_is_the_same_reference_as_a_precomputed_one(train_in_process, tmp_path):
+@pytest.mark.parametrize(
+    ("extra", "other"),
+    [
+        # LoRA: the base under the disabled adapter (and data other than the test above's, whose reference
+        # it moves away for a while).
+        (("data.n_train=56", "method=lora"), "adapter"),
+        # Qwen2-VL: its rows carry image grids and token types beside the pixels, which the pairs' batches keep.
+        (("model=tiny_qwen2_vl", "train.max_steps=2"), "live"),
+    ],
+    ids=["lora-adapter", "qwen2_vl-live"],
+)
+def test_another_reference_gives_the_precomputed_ones_losses_from_log_2(train_in_process, tmp_path, extra, other):
     runs = {}
-    for reference in ("precomputed", "adapter"):
-        # Other data than the test above, whose reference it moves away for a while.
-        overrides = (*JOB, "data.n_train=56", "method=lora", f"loss.reference={reference}")
-        ran = train_in_process(*overrides, run_dir=tmp_path / reference)
+    for reference in ("precomputed", other):
+        ran = train_in_process(*JOB, *extra, f"loss.reference={reference}", run_dir=tmp_path / reference)
         assert ran.outcome.status == "completed", ran.outcome.error
         runs[reference] = ran.run_dir
-    assert losses(runs["adapter"])[0] == pytest.approx(math.log(2.0), abs=1e-6)
-    assert losses(runs["adapter"]) == pytest.approx(losses(runs["precomputed"]), abs=1e-5)
-    assert _eval_losses(runs["adapter"]) == pytest.approx(_eval_losses(runs["precomputed"]), abs=1e-5)
-
-
-def test_the_qwen2_vl_family_starts_at_log_2_and_its_references_agree(train_in_process, tmp_path):
-    """Qwen2-VL's rows carry image grids and token types beside the pixels: the pairs' batches keep them."""
-    runs = {}
-    for reference in ("precomputed", "live"):
-        overrides = (*JOB, "model=tiny_qwen2_vl", "train.max_steps=2", f"loss.reference={reference}")
-        ran = train_in_process(*overrides, run_dir=tmp_path / reference)
-        assert ran.outcome.status == "completed", ran.outcome.error
-        runs[reference] = ran.run_dir
-    assert losses(runs["precomputed"])[0] == pytest.approx(math.log(2.0), abs=1e-6)
-    assert losses(runs["live"]) == pytest.approx(losses(runs["precomputed"]), abs=1e-5)
-    assert _eval_losses(runs["live"]) == pytest.approx(_eval_losses(runs["precomputed"]), abs=1e-5)
+    assert losses(runs[other])[0] == pytest.approx(math.log(2.0), abs=1e-6)
+    assert losses(runs[other]) == pytest.approx(losses(runs["precomputed"]), abs=1e-5)
+    assert _eval_losses(runs[other]) == pytest.approx(_eval_losses(runs["precomputed"]), abs=1e-5)
