@@ -30,7 +30,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,7 @@ from launcher.data.length import IGNORE_INDEX
 from launcher.data.pairs import PAIR_INDEX
 from launcher.job.planning import cache_dir
 from launcher.job.spec import Job
-from launcher.train.distributed import Rank, any_rank, barrier
+from launcher.train.distributed import Rank, all_reduce_sum, any_rank, barrier
 
 log = logging.getLogger("launcher")
 
@@ -286,14 +286,9 @@ class PairSet:
     cache: str | None
 
 
-@dataclass
-class _Chunks:
-    split: str
-    pairs: int
-    numbers: list[int] = field(default_factory=list)
-
-    def span(self, number: int) -> range:
-        return range(number * CHUNK_PAIRS, min(self.pairs, (number + 1) * CHUNK_PAIRS))
+def _span(pairs: int, number: int) -> range:
+    """The pairs of chunk `number` of a set of `pairs`."""
+    return range(number * CHUNK_PAIRS, min(pairs, (number + 1) * CHUNK_PAIRS))
 
 
 def precomputed_reference(
@@ -310,7 +305,7 @@ def precomputed_reference(
     """The reference log-probs of every pair of `sets` (train, eval): read from loss.reference_path or
     cache_dir/reference/KEY, or computed there first with `ds`, the policy as it starts (`may_compute`:
     no step trained yet). Every rank computes a share of the missing chunks, in lock-step (ZeRO-3's
-    gathers need every rank's forward)."""
+    gathers need every rank's forward), and keeps all of them: ranks need not share a disk."""
     loss = job.config.loss
     datasets = {split: pair_set.cache for split, pair_set in sets.items()}
     key = reference_key(job, datasets, dtype)
@@ -330,7 +325,7 @@ def precomputed_reference(
             "point it at this job's reference, or leave it unset to compute one"
         )
     seconds = None
-    if meta is None:
+    if any_rank(meta is None, device=rank.device):  # every rank takes part when one lacks it (its own disk)
         if not may_compute:
             raise LauncherError(
                 f"the precomputed reference {path} is missing, and this run has trained steps since the start "
@@ -356,15 +351,17 @@ def _compute(
 ) -> None:
     started = time.perf_counter()
     path.mkdir(parents=True, exist_ok=True)
-    todo = []  # (split, chunk number) of every chunk no earlier pass finished, the same list on every rank
-    for split, pair_set in sets.items():
-        chunks = _Chunks(split, len(pair_set.dataset))
-        todo += [(split, n) for n in range(-(-chunks.pairs // CHUNK_PAIRS)) if not _chunk_file(path, split, n).exists()]
+    chunks = [(split, n) for split, pair_set in sets.items() for n in range(-(-len(pair_set.dataset) // CHUNK_PAIRS))]
+    # The chunks some rank lacks (a stopped pass keeps those it finished; a rank on another node may have a disk
+    # of its own): the same list on every rank.
+    lacking = all_reduce_sum([float(not _chunk_file(path, *chunk).exists()) for chunk in chunks], rank.device)
+    todo = [chunk for chunk, count in zip(chunks, lacking, strict=True) if count]
     if rank.is_main:
         total = sum(len(pair_set.dataset) for pair_set in sets.values())
         log.info("reference: computing the log-probs of %d pairs once, into %s", total, path)
     micro = job.micro_batch
     rounds = -(-len(todo) // rank.world_size)
+    computed: dict[tuple[str, int], np.ndarray] = {}
     was_training = ds.training
     ds.eval()
     try:
@@ -378,22 +375,47 @@ def _compute(
             chunk = todo[mine] if mine < len(todo) else None
             # Every rank runs as many forward passes as the round's longest chunk needs.
             round_chunks = todo[number * rank.world_size :][: rank.world_size]
-            passes = max(-(-len(_Chunks(s, len(sets[s].dataset)).span(n)) // micro) for s, n in round_chunks)
-            _compute_chunk(job, rank, ds, sets, to_device, path, chunk, passes)
+            passes = max(-(-len(_span(len(sets[s].dataset), n)) // micro) for s, n in round_chunks)
+            table = _compute_chunk(job, rank, ds, sets, to_device, chunk, passes)
+            if chunk is not None:
+                _write_chunk(_chunk_file(path, *chunk), table)
+                computed[chunk] = table
     finally:
         ds.train(was_training)
-    barrier()
-    if rank.is_main:
-        sizes = {split: len(pair_set.dataset) for split, pair_set in sets.items()}
-        meta = {
-            "version": REFERENCE_VERSION, "key": key, "model": str(job.model_path), "data": datasets, "pairs": sizes,
-            "seconds": round(time.perf_counter() - started, 3),
-        }  # fmt: skip
+    # Every rank keeps every chunk (one gather: two numbers per pair): written where its disk lacks it.
+    for part in _gathered(computed):
+        for chunk, table in part.items():
+            if not _chunk_file(path, *chunk).exists():
+                _write_chunk(_chunk_file(path, *chunk), table)
+    sizes = {split: len(pair_set.dataset) for split, pair_set in sets.items()}
+    meta = {
+        "version": REFERENCE_VERSION, "key": key, "model": str(job.model_path), "data": datasets, "pairs": sizes,
+        "seconds": round(time.perf_counter() - started, 3),
+    }  # fmt: skip
+    barrier()  # every chunk is written: the first rank of each disk marks it complete
+    if not (path / META_FILE).exists():
         partial = path / f".{META_FILE}.{os.getpid()}"
         partial.write_text(json.dumps(meta) + "\n")
         os.replace(partial, path / META_FILE)  # last: its presence marks the reference complete
+    if rank.is_main:
         log.info("reference: %d pairs in %.1f s", sum(sizes.values()), meta["seconds"])
     barrier()
+
+
+def _gathered(computed: dict[tuple[str, int], np.ndarray]) -> list[dict[tuple[str, int], np.ndarray]]:
+    """Every rank's `computed` (one collective; none on one rank)."""
+    if torch.distributed.get_world_size() == 1:
+        return [computed]
+    parts: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, computed)
+    return parts
+
+
+def _write_chunk(file: Path, table: np.ndarray) -> None:
+    partial = file.with_name(f".{file.name}.{os.getpid()}")
+    with open(partial, "wb") as handle:
+        np.save(handle, table)
+    os.replace(partial, file)
 
 
 @torch.no_grad()
@@ -403,15 +425,14 @@ def _compute_chunk(
     ds: Any,
     sets: dict[str, PairSet],
     to_device: Callable[[dict], dict],
-    path: Path,
     chunk: tuple[str, int] | None,
     passes: int,
-) -> None:
-    """One chunk's log-probs into its file (`chunk` None: this rank has none this round), in `passes`
-    forward passes: a rank with fewer batches repeats its last one, its result dropped."""
+) -> np.ndarray:
+    """One chunk's [pairs, 2] log-probs (`chunk` None: this rank has none this round; an empty table), in
+    `passes` forward passes: a rank with fewer batches repeats its last one, its result dropped."""
     split, number = chunk if chunk is not None else next((s, 0) for s in sets)
     pair_set = sets[split]
-    span = _Chunks(split, len(pair_set.dataset)).span(number)
+    span = _span(len(pair_set.dataset), number)
     workers = int(job.config.data.num_workers)
     loader = DataLoader(
         Subset(pair_set.dataset, list(span) if chunk is not None else [0]), batch_size=job.micro_batch,
@@ -429,14 +450,7 @@ def _compute_chunk(
         if chunk is not None and sum(len(f) for f in found) < len(span):
             found.append(logps.T.double().cpu().numpy())
         pause_for_test("reference")  # the tests' stop signals land here, mid-chunk (a no-op otherwise)
-    if chunk is None:
-        return
-    table = np.concatenate(found)[: len(span)]
-    file = _chunk_file(path, split, number)
-    partial = file.with_name(f".{file.name}.{os.getpid()}")
-    with open(partial, "wb") as handle:
-        np.save(handle, table)
-    os.replace(partial, file)
+    return np.concatenate(found)[: len(span)] if found else np.zeros((0, 2))
 
 
 def _chunk_file(path: Path, split: str, number: int) -> Path:

@@ -94,3 +94,23 @@ def test_prepare_data_writes_the_configured_set_under_the_cache(tmp_path):
     held_out, _ = load_records(eval_file, image_root)
     assert (len(train), len(held_out)) == (6, 3)
     assert {Image.open(r["images"][0]).size for r in train + held_out} == {(16, 16)}
+
+
+@pytest.mark.parametrize("task", ["colour", "shape"])
+def test_the_preference_task_prefers_the_right_answer_about_the_same_images(tmp_path, shapes, task):
+    """With a preference loss (data.pairs) the built-in records are pairs about the same images: the right
+    answer chosen, a wrong one rejected, every wrong answer as often rejected as the others, so that only
+    the image tells which answer of a pair is right."""
+    questions = generate_shapes(tmp_path / "q", seed=0, n_train=72, n_eval=36, image_size=32, task=task)
+    pairs = generate_shapes(tmp_path / "p", seed=0, n_train=72, n_eval=36, image_size=32, task=task, pairs=True)
+    assert (pairs[2] / "train/00071.png").read_bytes() == (shapes[2] / "train/00071.png").read_bytes()
+    rejected = []
+    for asked, pair in zip(json.loads(questions[0].read_text()), json.loads(pairs[0].read_text()), strict=True):
+        assert pair["images"] == [asked["image"]] and pair["conversations"] == asked["conversations"][:1]
+        assert pair["chosen"] == asked["conversations"][1]
+        assert pair["rejected"]["value"] != pair["chosen"]["value"]
+        rejected.append(pair["rejected"]["value"])
+    chosen = [answer(r) for r in load_records(questions[0], questions[2])[0]]
+    # Each answer is rejected about as often as it is chosen: the answers alone tell nothing.
+    for value in set(chosen):
+        assert abs(rejected.count(value) - chosen.count(value)) <= chosen.count(value) // 2 + 1, (value, rejected)
