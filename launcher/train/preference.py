@@ -358,7 +358,9 @@ def _compute(
     todo = [chunk for chunk, count in zip(chunks, lacking, strict=True) if count]
     if rank.is_main:
         total = sum(len(pair_set.dataset) for pair_set in sets.values())
-        log.info("reference: computing the log-probs of %d pairs once, into %s", total, path)
+        needed = sum(len(_span(len(sets[split].dataset), number)) for split, number in todo)
+        kept = f" ({total - needed} kept from an earlier start)" if needed < total else ""
+        log.info("reference: computing the log-probs of %d pairs once%s, into %s", needed, kept, path)
     micro = job.micro_batch
     rounds = -(-len(todo) // rank.world_size)
     computed: dict[tuple[str, int], np.ndarray] = {}

@@ -207,6 +207,10 @@ def test_sigterm_during_the_reference_pass_keeps_its_chunks_and_the_same_command
     process = start_train(isolated_env, *args, f"hydra.run.dir={tmp_path / 'again'}", log=tmp_path / "again.out")
     assert ended(process) == 0, (tmp_path / "again.out").read_text()[-3000:]
     assert (reference / "meta.json").is_file() and (reference / "train-00000.npy").stat().st_mtime_ns == kept
+    assert (
+        "computing the log-probs of 16 pairs once (64 kept from an earlier start)"
+        in (tmp_path / "again.out").read_text()
+    )
     assert sorted(path.name for path in reference.glob("*.npy")) == ["eval-00000.npy", "train-00000.npy"]
     assert read_metrics(tmp_path / "again")[0]["train/loss"] == pytest.approx(0.6931471805599453, abs=1e-6)
 
