@@ -12,6 +12,9 @@ its first record (`data.format=auto`) or named:
                                                          {"type": "text", "text": "..."}]}, ...]}
               also LLaMA-Factory's v1 files: parts {"type": "image_url" | "text", "value": ...}
 
+Preference records (a prompt, a "chosen" and a "rejected" answer: LLaMA-Factory's and TRL's layouts, read
+under a preference loss, `ReadOptions.pairs`) become two adjacent records each (`pair_records`).
+
 Every record becomes {"id", "where", "file", "index", "images": [absolute path | bytes], "messages":
 [{"role", "content": [{"type": "image"} | {"type": "text", "text"}]}]}: chat-template messages whose
 image parts take `images` in order ("file" and "index" say where it came from). A record without images
@@ -278,7 +281,6 @@ def looks_like_hub_id(path: str) -> bool:
     return not data_file and not Path(parts[0]).is_dir()
 
 
-# ----------------------------------------------------------------------------- formats
 # ----------------------------------------------------------------------------- preference pairs
 REJECTED_SUFFIX = "#rejected"  # a pair's rejected record's id: its chosen record's id and this
 
@@ -341,6 +343,7 @@ def _with_answer(raw: dict, answer: Any, where: str) -> dict:
     return {**record, key: [*turns, answer]}
 
 
+# ----------------------------------------------------------------------------- formats
 def refuse_pair(raw: dict, where: str) -> None:
     """A preference record read for a supervised loss: one line naming the loss that trains it."""
     if "chosen" in raw or "rejected" in raw:
