@@ -1,17 +1,34 @@
 """Preference training as a user runs it (slow): `python train.py loss=dpo` on 2 ranks learns the built-in
 preference task (the right colour chosen over a wrong one) to a held-out reward accuracy of 0.95, at ZeRO-0
 with the reference precomputed (and logged to W&B, read back with W&B's own CLI; then resumed on another
-shape) and at ZeRO-3 with a live reference partitioned like the policy."""
+shape) and at ZeRO-3 with a live reference partitioned like the policy; and a run killed by SIGKILL resumes
+bitwise."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import signal
 from pathlib import Path
 
+import psutil
 import pytest
 
+from launcher.train.faults import FAULT_ENV
 from tests.e2e.wandb_inspect import inspect_summary
-from tests.helpers import read_metrics, read_summary, run_train_py, subprocess_env
+from tests.helpers import (
+    latest,
+    losses,
+    read_metrics,
+    read_summary,
+    run_here,
+    run_train_py,
+    start_train,
+    subprocess_env,
+    train_here,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -57,3 +74,47 @@ def test_two_ranks_learn_the_built_in_preference_task(preset, reference, tmp_pat
     assert "resumed on another shape: 2 rank(s) at ZeRO-0 -> 1 rank(s) at ZeRO-3" in more.stdout + more.stderr
     resumed = read_summary(run_dir)
     assert resumed["steps"] == 32 and resumed["reference"]["computed"] is False
+
+
+KILLED = (
+    "loss=dpo",
+    "logger=none",
+    "data.task=colour",
+    "data.n_train=48",
+    "data.n_eval=16",
+    "data.eval_accuracy=false",
+    "train.micro_batch_size=4",
+    "train.max_steps=4",
+    "train.save_every=2",
+    "train.eval_every=2",
+)
+
+
+def test_a_dpo_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_losses(process_group, tmp_path):
+    """SIGKILL to every process once the step-2 checkpoint is complete (the rank held at step 3 by a test
+    fault, so the kill lands after it); the resume reads the precomputed reference back and ends with the
+    uninterrupted run's losses and held-out metrics, bitwise."""
+    whole = run_here(list(KILLED), tmp_path / "whole", start=train_here)
+    assert whole.outcome.status == "completed", whole.outcome.error
+    env = subprocess_env(tmp_path)
+    run_dir = tmp_path / "killed"
+    process = start_train(
+        {**env, FAULT_ENV: "0:3:hang"}, *KILLED, f"hydra.run.dir={run_dir}", log=tmp_path / "killed.out"
+    )
+    wait_for(process, lambda: latest(run_dir) == "step2")
+    family = psutil.Process(process.pid).children(recursive=True)
+    os.killpg(process.pid, signal.SIGKILL)
+    for child in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    process.wait(timeout=120)
+    psutil.wait_procs(family, timeout=60)
+    assert read_summary(run_dir)["status"] == "running"  # nothing can record a SIGKILL
+
+    resumed = run_train_py(env, f"resume={run_dir}")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["resumed_from_step"] == 2 and summary["reference"]["computed"] is False
+    assert losses(run_dir) == losses(whole.run_dir)
+    eval_rows = [{k: v for k, v in row.items() if k.startswith("eval/")} for row in read_metrics(run_dir)]
+    assert eval_rows == [{k: v for k, v in row.items() if k.startswith("eval/")} for row in read_metrics(whole.run_dir)]
