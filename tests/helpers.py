@@ -214,6 +214,18 @@ def start_train(env: dict[str, str], *args: str, log: Path) -> subprocess.Popen:
     )
 
 
+def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL the job and every rank: torchrun starts its ranks in sessions of their own, so the
+    process group alone would leave them running."""
+    ranks = psutil.Process(process.pid).children(recursive=True)
+    os.killpg(process.pid, signal.SIGKILL)
+    for rank in ranks:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            rank.kill()
+    process.wait(timeout=120)
+    psutil.wait_procs(ranks, timeout=60)
+
+
 def signal_group(process: subprocess.Popen, signum: int = signal.SIGTERM) -> None:
     """Signal every process of the job's group, as `timeout` and SLURM do."""
     os.killpg(process.pid, signum)

@@ -6,18 +6,15 @@ bitwise."""
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import signal
 from pathlib import Path
 
-import psutil
 import pytest
 
 from launcher.train.faults import FAULT_ENV
 from tests.e2e.wandb_inspect import inspect_summary
 from tests.helpers import (
+    kill_group,
     latest,
     losses,
     read_metrics,
@@ -102,13 +99,7 @@ def test_a_dpo_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_losses
         {**env, FAULT_ENV: "0:3:hang"}, *KILLED, f"hydra.run.dir={run_dir}", log=tmp_path / "killed.out"
     )
     wait_for(process, lambda: latest(run_dir) == "step2")
-    family = psutil.Process(process.pid).children(recursive=True)
-    os.killpg(process.pid, signal.SIGKILL)
-    for child in family:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.kill()
-    process.wait(timeout=120)
-    psutil.wait_procs(family, timeout=60)
+    kill_group(process)
     assert read_summary(run_dir)["status"] == "running"  # nothing can record a SIGKILL
 
     resumed = run_train_py(env, f"resume={run_dir}")

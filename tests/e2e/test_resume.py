@@ -9,21 +9,19 @@ tests/unit/train/test_trainer.py (the resume matrix at one rank).
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import torch
 
 from launcher.core.rundir import RunDir
 from launcher.train.faults import FAULT_ENV, SLOW_SAVE_ENV
 from tests.helpers import (
+    kill_group,
     last_step,
     latest,
     losses,
@@ -73,18 +71,6 @@ TWO_RANKS = (
 def start(env: dict[str, str], run_dir: Path, *args: str) -> subprocess.Popen:
     """`python train.py ARGS` in its own process group (so the test can signal every process of it)."""
     return start_train(env, *args, log=run_dir.parent / f"{run_dir.name}-{time.monotonic_ns()}.out")
-
-
-def kill_group(process: subprocess.Popen) -> None:
-    """SIGKILL the job and every rank: torchrun starts its ranks in sessions of their own, so the
-    process group alone would leave them running."""
-    ranks = psutil.Process(process.pid).children(recursive=True)
-    os.killpg(process.pid, signal.SIGKILL)
-    for rank in ranks:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            rank.kill()
-    process.wait(timeout=120)
-    psutil.wait_procs(ranks, timeout=60)
 
 
 def preempt(env: dict[str, str], run_dir: Path, args: tuple[str, ...], total: int) -> int:
