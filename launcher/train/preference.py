@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader, Subset
 from launcher.config.schema import LossConfig
 from launcher.core.children import helper_process
 from launcher.core.errors import Interrupted, LauncherError
+from launcher.core.json_files import read_json_or_none, write_json_atomic
 from launcher.core.signals import pause_for_test
 from launcher.data.length import IGNORE_INDEX
 from launcher.data.pairs import PAIR_INDEX
@@ -311,7 +312,7 @@ def precomputed_reference(
     key = reference_key(job, datasets, dtype)
     given = loss.reference_path
     path = Path(str(given)).expanduser() if given else cache_dir(job.config) / "reference" / key
-    meta = _read_json(path / META_FILE)
+    meta = read_json_or_none(path / META_FILE)
     sizes = {split: len(pair_set.dataset) for split, pair_set in sets.items()}
     if given and meta is None:
         raise LauncherError(
@@ -396,9 +397,7 @@ def _compute(
     }  # fmt: skip
     barrier()  # every chunk is written: the first rank of each disk marks it complete
     if not (path / META_FILE).exists():
-        partial = path / f".{META_FILE}.{os.getpid()}"
-        partial.write_text(json.dumps(meta) + "\n")
-        os.replace(partial, path / META_FILE)  # last: its presence marks the reference complete
+        write_json_atomic(path / META_FILE, meta)  # last: its presence marks the reference complete
     if rank.is_main:
         log.info("reference: %d pairs in %.1f s", sum(sizes.values()), meta["seconds"])
     barrier()
@@ -470,10 +469,3 @@ def _read_table(path: Path, split: str, pairs: int) -> np.ndarray:
             "have it computed again"
         )
     return table
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
