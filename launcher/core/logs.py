@@ -39,6 +39,9 @@ NOISE = (
     ("DeepSpeed", re.compile(r"Setting accelerator to CPU")),  # the launcher's job line names the device
     ("DeepSpeed", re.compile(r"Attempting to get learning rate from scheduler before it has started")),
     ("hydra_plugins.hydra_optuna_sweeper", re.compile(r"(Study name|Storage|Sampler|Directions): ")),
+    # bitsandbytes at import on a CPU with AVX512-BF16: a kernel for inference, which the launcher turns off
+    # (launcher.model.method.keep_4bit_layout); it would not speed up training.
+    ("bitsandbytes", re.compile(r"Failed to load CPU gemm_4bit_forward")),
 )
 
 # Loggers whose INFO records the terminal shows: the launcher's, and Hydra's (a sweep's "#1 : ...").

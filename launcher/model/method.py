@@ -228,17 +228,50 @@ def trainable_components(model: nn.Module) -> set[str]:
     }
 
 
+# bitsandbytes' first release whose 4-bit layers run on a CPU as well as on CUDA.
+BNB_CPU_VERSION = (0, 48)
+
+
 def qlora_problem(device_kind: str) -> str | None:
-    """Why 4-bit loading cannot run here (None when it can): bitsandbytes' 4-bit layers need CUDA."""
-    if device_kind != "cuda":
-        return f"4-bit quantisation (bitsandbytes) needs a CUDA device, and this machine has {device_kind} only"
+    """Why 4-bit loading cannot run here (None when it can): bitsandbytes' 4-bit layers run on CUDA, and on
+    a CPU from bitsandbytes 0.48 on."""
+    if device_kind not in ("cuda", "cpu"):
+        return f"4-bit quantisation (bitsandbytes) needs a CUDA device or a CPU, and this machine has {device_kind}"
     if importlib.util.find_spec("bitsandbytes") is None:
         return "the bitsandbytes package is not installed (pip install bitsandbytes)"
+    if device_kind == "cpu":
+        from importlib.metadata import version
+
+        found = version("bitsandbytes")
+        if tuple(int(part) for part in re.findall(r"\d+", found)[:2]) < BNB_CPU_VERSION:
+            return f"bitsandbytes {found} runs 4-bit layers on CUDA only (0.48 and later run them on a CPU too)"
     return None
 
 
-def quantization_config(method: Any, precision: str):
-    """bitsandbytes' 4-bit config for method=qlora, storing the packed weights in the training dtype.
+def kept_unquantized(model: nn.Module, method: Any, model_cfg: Any) -> list[str]:
+    """Module names the 4-bit load leaves in the training dtype: what trains in full beside the adapters
+    (modules_to_save), and transformers' own choices (the output head, tied weights).
+
+    A module trained in full cannot be 4-bit: bitsandbytes' 4-bit matmul gives its weight no gradient, so
+    peft's trainable copy of a quantised projector never learned at ZeRO 0 and broke ZeRO 2 and 3, whose
+    gradient hooks found no gradient to reduce. `model`: the model to load, built on the meta device."""
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    return sorted(set(modules_to_save(model, method, model_cfg)) | set(get_keys_to_not_convert(model)))
+
+
+def keep_4bit_layout(model: nn.Module) -> None:
+    """Stop bitsandbytes repacking 4-bit weights for its CPU inference kernel (used where the CPU has
+    AVX512-BF16): it rewrites `weight.data` in place at the first evaluation, and a ZeRO-3 parameter, whose
+    data DeepSpeed swaps between its partition and the gathered whole, then fails at the next save."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def quantization_config(method: Any, precision: str, *, keep: list[str]):
+    """bitsandbytes' 4-bit config for method=qlora, storing the packed weights in the training dtype and
+    leaving the modules `keep` names (kept_unquantized) as they are.
 
     ZeRO-3 partitions parameters of a floating dtype only: packed uint8 storage would leave the base
     whole on every rank, so the storage dtype is the one the run trains in (bf16, else fp32/fp16)."""
@@ -252,4 +285,5 @@ def quantization_config(method: Any, precision: str):
         bnb_4bit_use_double_quant=bool(method.double_quant),
         bnb_4bit_compute_dtype=dtype,
         bnb_4bit_quant_storage=dtype,
+        llm_int8_skip_modules=keep,  # despite its name, the 4-bit load's list of modules left alone too
     )

@@ -22,8 +22,14 @@ from launcher.core.summary import Summary
 from launcher.job.spec import Job
 from launcher.model.components import apply_freeze, enable_gradient_checkpointing
 from launcher.model.groups import OptimizerGroup, optimizer_groups, stage_specs
-from launcher.model.loading import load_model_and_processor, resolve_attn_implementation
-from launcher.model.method import apply_method, parameter_counts, quantization_config
+from launcher.model.loading import load_model_and_processor, read_config, resolve_attn_implementation
+from launcher.model.method import (
+    apply_method,
+    keep_4bit_layout,
+    kept_unquantized,
+    parameter_counts,
+    quantization_config,
+)
 from launcher.train import ops
 from launcher.train.distributed import Rank
 
@@ -184,21 +190,29 @@ def load_model(
     freeze = freeze_flags(model_cfg)
     if stage is not None:
         freeze = stage.freeze()
+    zero3 = ds_config["zero_optimization"]["stage"] == 3
+    extra: dict[str, Any] = {}
+    if str(method.name) == "qlora":
+        from transformers import AutoModelForImageTextToText
+
+        # Module names only (nothing allocated), and before transformers learns of ZeRO-3 below: it would
+        # partition this skeleton too.
+        with torch.device("meta"):
+            skeleton = AutoModelForImageTextToText.from_config(read_config(str(path)))
+        keep = kept_unquantized(skeleton, method, model_cfg)
+        extra["quantization_config"] = quantization_config(method, job.precision, keep=keep)
+        if not zero3:  # bitsandbytes quantises as the weights reach the device; ZeRO-3 places them itself
+            extra["device_map"] = {"": rank.device}
     # At ZeRO-3 transformers must know the DeepSpeed config before the model is built, so that
     # from_pretrained partitions the weights at construction instead of materialising them per rank.
     hf_ds_config = None
-    if ds_config["zero_optimization"]["stage"] == 3:
+    if zero3:
         from transformers.integrations import HfDeepSpeedConfig
 
         hf_ds_config = HfDeepSpeedConfig(ds_config)  # kept alive on purpose: transformers reads it at load
     attention = resolve_attn_implementation(
         str(model_cfg.attn_implementation), device_kind=rank.device.type, precision=job.precision
     )
-    extra: dict[str, Any] = {}
-    if str(method.name) == "qlora":
-        extra["quantization_config"] = quantization_config(method, job.precision)
-        if hf_ds_config is None:  # bitsandbytes quantises as the weights reach the GPU; ZeRO-3 places them itself
-            extra["device_map"] = {"": rank.device}
     quiet_transformers()
     model, processor = load_model_and_processor(
         str(path),
@@ -207,6 +221,8 @@ def load_model(
         max_pixels=model_cfg.max_pixels,
         **extra,
     )
+    if str(method.name) == "qlora" and rank.device.type == "cpu":
+        keep_4bit_layout(model)
     # True when ZeRO-3 partitioned the weights while loading (zero.Init tags each parameter).
     summary.partitioned_at_load = any(hasattr(p, "ds_id") for p in model.parameters())
     model.config.use_cache = False
@@ -234,6 +250,7 @@ def load_model(
             100 * summary.trainable_fraction,
             counts,
         )
+    del hf_ds_config  # alive until here, as before the QLoRA skeleton: adding the adapters asks it too
     return model, processor
 
 

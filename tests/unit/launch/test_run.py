@@ -422,12 +422,6 @@ CASES = [
         "method.target_modules=['qproj'] (method.include_vision=False, model.freeze_language=False, "
         "model.freeze_vision=False) matches no module of LlavaForConditionalGeneration",
     ),
-    Case(
-        "qlora-without-cuda",
-        ("method=qlora",),
-        "method=qlora cannot run here: 4-bit quantisation (bitsandbytes) needs a CUDA device",
-        marks=(cpu_only,),
-    ),
     # ------------------------------------------------------------------ resume
     Case("resume-missing-directory", ("resume={tmp}/nowhere",), "resume={tmp}/nowhere: no such directory"),
     Case("resume-not-a-run", ("resume={data}",), "resume={data}: {data} is not a run directory"),

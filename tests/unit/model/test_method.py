@@ -1,8 +1,9 @@
-"""launcher.model.method: which modules get LoRA adapters, what trains in full, what the planner counts, and
-where method=qlora cannot run.
+"""launcher.model.method: which modules get LoRA adapters, what trains in full, what the planner counts,
+where method=qlora cannot run, and what its 4-bit load leaves unquantised.
 
 Checked on the real tiny models built on the meta device (the same build the launcher checks before any
-rank starts) and with peft itself: no training here (the LoRA end-to-end tests train)."""
+rank starts) and with peft itself; QLoRA's 4-bit load and one backward pass on the CPU (bitsandbytes); no
+training here (the LoRA and QLoRA end-to-end tests train)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import re
 
 import pytest
 import torch
+from PIL import Image
 from torch import nn
+from transformers import AutoModelForImageTextToText
 
 from launcher.config.ranges import check_config
 from launcher.core.errors import LauncherError
@@ -115,11 +118,17 @@ def test_compact_alternation_folds_layer_indices_only_when_exact():
     assert _compact_alternation(names[:2], names) == r"m\.layers\.0\.q_proj|m\.layers\.1\.q_proj"
 
 
-def test_qlora_needs_cuda_and_says_so_before_anything_starts():
-    assert "needs a CUDA device" in qlora_problem("cpu")
+def test_qlora_runs_where_bitsandbytes_has_4bit_layers_and_says_so_before_anything_starts(monkeypatch):
+    pytest.importorskip("bitsandbytes")  # a dev install has it (pyproject's qlora extra)
+    assert qlora_problem("cpu") is None and qlora_problem("cuda") is None  # bitsandbytes >= 0.48 on a CPU too
+    assert "needs a CUDA device or a CPU, and this machine has mps" in qlora_problem("mps")
     with pytest.raises(LauncherError, match="method=qlora cannot run here: 4-bit quantisation"):
-        check_method(compose_typed(["method=qlora"]), "cpu")
-    check_method(compose_typed(["method=qlora"]), "cpu", launching=False)  # a dry run plans for elsewhere
+        check_method(compose_typed(["method=qlora"]), "mps")
+    check_method(compose_typed(["method=qlora"]), "mps", launching=False)  # a dry run plans for elsewhere
+    monkeypatch.setattr("importlib.metadata.version", lambda name: "0.47.0")
+    assert "bitsandbytes 0.47.0 runs 4-bit layers on CUDA only" in qlora_problem("cpu")
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # an install without the qlora extra
+    assert "the bitsandbytes package is not installed" in qlora_problem("cuda")
 
 
 @pytest.mark.parametrize(
@@ -135,23 +144,57 @@ def test_lora_knobs_out_of_range(override, message):
     check_config(compose_typed(["method=full", override]))  # method=full has no adapters to range-check
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_qlora_loads_a_4bit_base_stored_in_the_training_dtype(tmp_path):
-    pytest.importorskip("bitsandbytes")
-    from launcher.model.loading import load_model_and_processor
-    from launcher.model.method import quantization_config
+def qlora_model(arch: str, tmp_path, keep: list[str] | None):
+    """A tiny model of `arch` loaded in 4 bits as a QLoRA run loads it (bf16 storage), on the CPU, with
+    peft's adapters and the projector's trainable copy; and its processor."""
+    from launcher.model.loading import load_model_and_processor, read_config
+    from launcher.model.method import keep_4bit_layout, kept_unquantized, quantization_config
     from launcher.model.tiny import resolve_model_path
 
-    cfg = compose_typed(["method=qlora", "precision=bf16"])
+    cfg = compose_typed(["method=qlora", "precision=bf16", f"model.arch={arch}"])
     words = [{"messages": [{"role": "assistant", "content": [{"type": "text", "text": "red circle"}]}]}]
     path = resolve_model_path(cfg.model, 0, tmp_path, words)
-    model, _ = load_model_and_processor(
-        path, quantization_config=quantization_config(cfg.method, "bf16"), device_map={"": 0}
+    if keep is None:
+        with torch.device("meta"):
+            keep = kept_unquantized(AutoModelForImageTextToText.from_config(read_config(path)), cfg.method, cfg.model)
+    config = quantization_config(cfg.method, "bf16", keep=keep)
+    model, processor = load_model_and_processor(path, quantization_config=config, device_map={"": "cpu"})
+    keep_4bit_layout(model)
+    return apply_method(model, cfg.method, cfg.model), processor, keep
+
+
+def backward_once(model, processor) -> None:
+    """One loss on one image and its answer, backwards."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "red circle"}]}]
+    batch = processor(
+        text=[processor.apply_chat_template(messages)], images=[Image.new("RGB", (32, 32), "red")], return_tensors="pt"
     )
-    peft_model = apply_method(model, cfg.method, cfg.model)
-    quantized = [m for m in peft_model.modules() if type(m).__name__ == "Linear4bit"]
-    assert quantized and all(m.weight.dtype == torch.bfloat16 for m in quantized)
+    batch["pixel_values"] = batch["pixel_values"].to(torch.bfloat16)
+    model(**batch, labels=batch["input_ids"]).loss.backward()
+
+
+@pytest.mark.parametrize(("arch", "projector"), [("tiny_llava", "multi_modal_projector"), ("tiny_qwen2_vl", "merger")])
+def test_qlora_quantises_the_frozen_base_only_and_every_trainable_weight_gets_a_gradient(arch, projector, tmp_path):
+    """The cause of QLoRA's failure at ZeRO 2 and 3 on a GPU (DeepSpeed's gradient hooks found no gradient):
+    the projector trained in full (method.modules_to_save) was loaded in 4 bits, and bitsandbytes' 4-bit
+    matmul gives its weight no gradient; at ZeRO 0 it silently never learned. Now it loads unquantised.
+    Runs on the CPU with bitsandbytes >= 0.48; the GPU suite trains it at ZeRO 2 and 3 on CUDA too."""
+    pytest.importorskip("bitsandbytes")
+    model, processor, keep = qlora_model(arch, tmp_path / "now", keep=None)
+    assert any(name.endswith(projector) for name in keep) and "lm_head" in keep
+    quantised = {name: m for name, m in model.named_modules() if type(m).__name__ == "Linear4bit"}
+    assert quantised and all(m.weight.dtype == torch.bfloat16 for m in quantised.values())  # ZeRO-3 can partition
+    assert not any(projector in name or "lm_head" in name for name in quantised)
+    backward_once(model, processor)
+    trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    assert any(projector in name and "modules_to_save" in name for name in trainable)
+    assert [name for name, p in trainable.items() if p.grad is None] == []
+
+    # transformers' own choice of what to leave alone (the output head) quantises the projector: the defect.
+    before, processor, _ = qlora_model(arch, tmp_path / "before", keep=["lm_head"])
+    backward_once(before, processor)
+    starved = [name for name, p in before.named_parameters() if p.requires_grad and p.grad is None]
+    assert starved and all(projector in name and name.endswith(".weight") for name in starved), starved
 
 
 def test_the_plan_drops_deepspeeds_full_finetune_estimate_for_adapters():

@@ -398,6 +398,36 @@ def test_a_lora_run_resumes_where_it_stopped(lora_runs, train_in_process, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("preset", ["z2", "z3"])
+def test_qlora_trains_its_projector_at_zero_2_and_3_and_exports_merged(train_in_process, tmp_path, preset):
+    """QLoRA failed at ZeRO 2 and 3 on a GPU in DeepSpeed's gradient hooks: the projector trained in full was
+    4-bit, and got no gradient (tests/unit/model/test_method.py). Now it trains (its saved copy moves off the
+    base's weights), and the run exports merged. On a CPU: bitsandbytes >= 0.48 (the GPU suite runs CUDA)."""
+    pytest.importorskip("bitsandbytes")
+    from launcher.export.export import export
+
+    ran = train_in_process("method=qlora", "precision=bf16", f"deepspeed={preset}", *SHORT, "train.max_steps=6")
+    assert ran.outcome.status == "completed", ran.outcome.error
+    summary = read_summary(ran.run_dir)
+    assert summary["method"] == "qlora" and summary["zero_stage"] == int(preset[1])
+    curve = losses(ran.run_dir)
+    assert len(curve) == 6 and curve[-1] < curve[0]
+    model = RunDir(ran.run_dir).model
+    assert json.loads((model / "adapter_config.json").read_text())["modules_to_save"]
+    saved = load_file(model / "adapter_model.safetensors")
+    base = load_file(Path(summary["base_model"]) / "model.safetensors")
+    # The adapter file's names of the projector, and the base's (base_model.model.model.X -> X).
+    projector = {
+        name: "multi_modal_projector" + name.split("multi_modal_projector")[1]
+        for name in saved
+        if "multi_modal_projector" in name and name.endswith(".weight")
+    }
+    assert projector and all(not torch.equal(saved[a].float(), base[b].float()) for a, b in projector.items())
+    exported = export(ran.run_dir, merge=True, out=tmp_path / "merged")
+    assert exported.kind == "merged model" and (tmp_path / "merged" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
 def test_gradient_checkpointing_leaves_the_loss_curve_unchanged(train_in_process, tmp_path):
     """Same seed, LoRA on the language model with a frozen vision tower: checkpointing recomputes
     activations, so the losses agree to 1e-5 relative."""
