@@ -13,6 +13,7 @@
     skipped_records.jsonl  each record skipped (bad, or over data.max_length): file, record, reason
     model/             the final model in Hugging Face format
     stop_requested     a stop signal forwarded to the ranks by the launcher process
+    ended_by           who killed the ranks on purpose, and why (the tuner, once a candidate is measured)
     wandb_run_id       the W&B run a resume continues; wandb/ holds W&B's own files
     .lock              held (flock) by the job that owns the directory, for the job's whole life
 
@@ -40,7 +41,17 @@ from launcher.core.summary import Summary
 # Every entry a run writes in its directory (the module docstring), W&B's and Hydra's included.
 RUN_ENTRIES = (
     *(".hydra", "ds_config.json", "job.json", "metrics.jsonl", "summary.json", "train.log", "checkpoints", "errors"),
-    *("skipped_records.jsonl", "model", "stop_requested", "wandb_run_id", "wandb", ".lock", "export", "export-merged"),
+    *(
+        "skipped_records.jsonl",
+        "model",
+        "stop_requested",
+        "ended_by",
+        "wandb_run_id",
+        "wandb",
+        ".lock",
+        "export",
+        "export-merged",
+    ),
 )
 
 # Run directories this process owns: path of the lock file -> its open descriptor.
@@ -160,6 +171,10 @@ class RunDir:
     @property
     def stop_file(self) -> Path:
         return self.path / "stop_requested"
+
+    @property
+    def ended_by(self) -> Path:
+        return self.path / "ended_by"
 
     @property
     def wandb_run_id(self) -> Path:

@@ -232,6 +232,9 @@ def outcome(job: Job, run_dir: RunDir, returncode: int, *, primary: bool = True)
     if summary is not None and summary.status == "interrupted":
         raise Interrupted(summary.error or "interrupted")
     killed = _signal_name(returncode)
+    ender = run_dir.ended_by.read_text().strip() if run_dir.ended_by.is_file() else ""
+    if killed is not None and ender:  # not a fault: whoever started the job ended it (launcher.tune)
+        raise TrainingFailed(f"ended by {ender}: its ranks were stopped on purpose ({killed}), not by a fault")
     if killed is not None and not (summary and summary.error):
         oom = killed == "SIGKILL"
         hint = " (the kernel's out-of-memory killer sends it when memory runs out: see dmesg)" if oom else ""

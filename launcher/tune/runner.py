@@ -249,6 +249,10 @@ class _Watcher:
             verdict = _verdict(self.t, self.watch, new, self.started, self.tune_cfg)
             if verdict is not None:
                 self.decided.append(verdict)
+                status, note = verdict
+                # Read by the launcher when the ranks die: the candidate's log and summary then name the
+                # tuner, not the out-of-memory killer a SIGKILL otherwise suggests.
+                self.run_dir.ended_by.write_text(f"the tuner ({status}{': ' + note if note else ''})\n")
                 kill_ranks(os.getpid())
 
 

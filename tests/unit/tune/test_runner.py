@@ -145,6 +145,11 @@ def test_a_candidate_runs_as_train_py_would_its_rank_logging_to_its_log_file(tmp
     assert log.startswith("job: tiny_llava (full) on 1 rank (cpu), ZeRO 0")  # the launcher's line
     assert "step 1/4 | loss" in log  # the rank's own output
     assert "tune: z0-fp32-mb4 ended by the tuner: fits\n" in log  # then the job's own last line
+    # The job's own last line and its summary name the tuner, not the out-of-memory killer a SIGKILL suggests
+    # (the GPU check found "a rank was killed by SIGKILL (the kernel's out-of-memory killer ...)" there).
+    ended = "ended by the tuner (fits): its ranks were stopped on purpose (SIGKILL), not by a fault"
+    assert log.rstrip().endswith(ended) and "out-of-memory" not in log, log[-500:]
+    assert ended in run_dir.read_summary().error
     overrides = run_dir.read_overrides()
     assert overrides[: len(Candidate("z0", "fp32", 4, 2, False).overrides(8))] == result.candidate.overrides(8)
     assert {"train.max_steps=4", "logger=none", "preflight=off"} <= set(overrides)
