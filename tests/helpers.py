@@ -143,7 +143,9 @@ def free_port() -> int:
 
 @contextmanager
 def one_rank_group() -> Iterator[None]:
-    """This process as rank 0 of a one-rank gloo group, for trainers run in it (`train_here`)."""
+    """This process as rank 0 of a one-rank group, for trainers run in it (`train_here`): gloo, and on a GPU
+    machine NCCL for CUDA tensors beside it (what a rank's group is there; gloo keeps the CPU's tensors)."""
+    import torch
     import torch.distributed as dist
 
     from launcher.train.ops import interpreter_path
@@ -153,7 +155,9 @@ def one_rank_group() -> Iterator[None]:
     rank_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
     saved = {key: os.environ.get(key) for key in (*rank_env, "MASTER_PORT", "PATH")}
     os.environ.update({**rank_env, "MASTER_PORT": str(free_port()), "PATH": interpreter_path(os.environ["PATH"])})
-    dist.init_process_group("gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     try:
         yield
     finally:
