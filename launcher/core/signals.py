@@ -76,21 +76,35 @@ def received() -> str | None:
 
 
 # ----------------------------------------------------------------------------- a test hook
-# `LAUNCHER_TEST_PAUSE=PHASE:SECONDS:FILE` holds a process in a phase (plan, cache, eval, export) the first time
-# it gets there, after creating FILE: the tests of stop signals send theirs once FILE exists, so the signal
-# lands inside that phase (with the DataLoader workers of a cache build or an evaluation alive), not by luck.
+# `LAUNCHER_TEST_PAUSE=PHASE:SECONDS:FILE` holds a process in a phase (plan, cache, eval, reference, export, a
+# checkpoint's save `save-stepN`, the end of a train step `stepN`) the first time it gets there, after creating
+# FILE, until a stop reaches it (or SECONDS pass: a safety net). The tests of stop signals and kills send theirs
+# once FILE exists, so each lands inside that phase (with the DataLoader workers of a cache build or an
+# evaluation alive) on a loaded machine as on a quiet one: what happens next depends on the phase, not on how
+# soon the test process was scheduled.
 PAUSE_ENV = "LAUNCHER_TEST_PAUSE"
 _paused: set[str] = set()  # the phases this process was held in already
 
 
-def pause_for_test(phase: str) -> None:
-    """Hold this process in `phase` for the seconds LAUNCHER_TEST_PAUSE names (once per process)."""
+def pause_for_test(phase: str, until: Callable[[], bool] = lambda: False) -> None:
+    """Hold this process in `phase` (once per process) until a stop reaches it: a stop signal to this process,
+    whichever handler takes it, or `until()` (a rank's stop request, which the launcher passes on as a file);
+    at most the seconds LAUNCHER_TEST_PAUSE names. A no-op unless LAUNCHER_TEST_PAUSE names `phase`."""
     wanted, _, rest = os.environ.get(PAUSE_ENV, "").partition(":")
     if wanted != phase or phase in _paused:
         return
     _paused.add(phase)
     seconds, _, mark = rest.partition(":")
-    Path(mark).touch()
-    deadline = time.monotonic() + float(seconds)
-    while time.monotonic() < deadline:  # a signal's handler runs between these sleeps
-        time.sleep(0.05)
+    arrived: list[int] = []
+    # The phase's own handlers, wrapped; a signal this process ignores or dies of is left as it is.
+    previous = {signum: handler for signum in STOP_SIGNALS if callable(handler := signal.getsignal(signum))}
+
+    def note_then_handle(signum: int, frame: object) -> None:
+        arrived.append(signum)
+        previous[signum](signum, frame)  # the phase's own handler (it may raise, ending the hold with it)
+
+    with handling(tuple(previous), note_then_handle):
+        Path(mark).touch()
+        deadline = time.monotonic() + float(seconds)
+        while time.monotonic() < deadline and not arrived and not until():
+            time.sleep(0.05)  # a signal's handler runs between these sleeps

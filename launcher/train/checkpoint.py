@@ -21,8 +21,7 @@ import random
 import resource
 import shutil
 import signal
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,11 +33,10 @@ from torch.utils.data import DistributedSampler
 from launcher.core.checkpoints import CheckpointMarker, prune, saved_files, tag_for, write_latest, write_marker
 from launcher.core.errors import TrainingFailed, one_line
 from launcher.core.rundir import RunDir
-from launcher.core.signals import STOP_SIGNALS, received
+from launcher.core.signals import STOP_SIGNALS, pause_for_test, received
 from launcher.job.reshard import Reshard
 from launcher.train import universal
 from launcher.train.distributed import barrier
-from launcher.train.faults import slow_save_seconds
 
 
 def reapply_schedule(engine: Any) -> None:
@@ -132,11 +130,20 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # ----------------------------------------------------------------------------- save and load
-def save(engine: Any, run_dir: RunDir, marker: CheckpointMarker, position: DataPosition, *, keep: int) -> None:
+def save(
+    engine: Any,
+    run_dir: RunDir,
+    marker: CheckpointMarker,
+    position: DataPosition,
+    *,
+    keep: int,
+    stop: Callable[[], bool] = lambda: False,
+) -> None:
     """Save a resumable checkpoint of step `marker.step` on every rank; then mark it complete (the marker,
     with every file's size) and point `latest` at it.
 
-    Collective: every rank calls it at the same step. Keeps the newest `keep` complete checkpoints."""
+    Collective: every rank calls it at the same step. Keeps the newest `keep` complete checkpoints. `stop`
+    (whether this rank was asked to stop) ends the tests' hold between the files and the marker."""
     tag = tag_for(marker.step)
     folder = run_dir.checkpoint(tag)
     rank = torch.distributed.get_rank()
@@ -153,8 +160,8 @@ def save(engine: Any, run_dir: RunDir, marker: CheckpointMarker, position: DataP
         torch.save(own, folder / f"launcher_rank{rank}.pt")
     barrier()  # every rank's files are on disk
     if rank == 0:
-        if delay := slow_save_seconds():
-            time.sleep(delay)
+        # The tests' kills and stop signals land here: every file written, the checkpoint not yet complete.
+        pause_for_test(f"save-{tag}", until=stop)
         with write_failures_reported(folder):
             files = saved_files(folder)  # every rank's, complete after the barrier
             write_marker(run_dir, dataclasses.replace(marker, tag=tag, files=files))

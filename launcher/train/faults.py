@@ -17,8 +17,6 @@ from dataclasses import dataclass
 import torch
 
 FAULT_ENV = "LAUNCHER_TEST_FAULT"
-# Test hook: seconds to sleep after DeepSpeed wrote a checkpoint and before it is marked complete.
-SLOW_SAVE_ENV = "LAUNCHER_TEST_SLOW_SAVE"
 
 _BALLAST: list[torch.Tensor] = []  # memory held by the "alloc" fault, for the rest of the run
 
@@ -48,7 +46,3 @@ class Fault:
             _BALLAST.append(torch.ones(int(self.how.split("=", 1)[1]) * 2**20, dtype=torch.uint8))
             return
         raise RuntimeError(f"fault injected by {FAULT_ENV} on rank {self.rank} at step {step}")
-
-
-def slow_save_seconds() -> float:
-    return float(os.environ.get(SLOW_SAVE_ENV) or 0)

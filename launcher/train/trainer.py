@@ -33,6 +33,7 @@ from launcher.core.checkpoints import CheckpointMarker, lr_schedule_of, read_mar
 from launcher.core.errors import Interrupted, LauncherError, TrainingFailed, one_line
 from launcher.core.rank_errors import record_rank_error, step_failure
 from launcher.core.rundir import RunDir
+from launcher.core.signals import pause_for_test
 from launcher.core.summary import Summary
 from launcher.job.reshard import resumed_batches
 from launcher.job.spec import Job
@@ -271,6 +272,7 @@ def loop(run: Run, track: _Track) -> Summary:
             metrics["train/stage"] = run.stage.index + 1
         metrics.update(cpu.lap())
         run.recorder.record(step, metrics)
+        pause_for_test(f"step{step}", until=run.stop.wanted)  # the tests' stop signals land here (a no-op otherwise)
         if run.state.stop_agreed and step < job.max_steps:
             stopped_at = step
             break
@@ -375,7 +377,8 @@ def save(run: Run, step: int) -> None:
     engine.config = credentials.split(real)[0]
     try:
         marker = dataclasses.replace(run.marker, step=step)
-        checkpoint.save(engine, run.run_dir, marker, run.data.position, keep=int(run.job.config.train.keep_checkpoints))
+        keep = int(run.job.config.train.keep_checkpoints)
+        checkpoint.save(engine, run.run_dir, marker, run.data.position, keep=keep, stop=run.stop.wanted)
     finally:
         engine.config = real
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from launcher.core.rundir import RunDir
-from launcher.train.faults import FAULT_ENV, SLOW_SAVE_ENV
+from launcher.core.signals import PAUSE_ENV
 from tests.helpers import (
     kill_group,
     last_step,
@@ -73,16 +73,26 @@ def start(env: dict[str, str], run_dir: Path, *args: str) -> subprocess.Popen:
     return start_train(env, *args, log=run_dir.parent / f"{run_dir.name}-{time.monotonic_ns()}.out")
 
 
-def preempt(env: dict[str, str], run_dir: Path, args: tuple[str, ...], total: int) -> int:
-    """Start the job, SIGTERM its launcher once step 2 is recorded: the launcher passes the signal on to
-    the ranks, which save and stop as "preempted" (exit 143). Returns the step it stopped after."""
-    process = start(env, run_dir, *args, f"hydra.run.dir={run_dir}")
-    wait_for(process, lambda: last_step(run_dir) >= 2)
+def held(env: dict[str, str], run_dir: Path, phase: str) -> tuple[dict[str, str], Path]:
+    """The environment that holds the ranks in `phase` until a stop reaches them (a kill ends it too), and the
+    file that says they are there (launcher.core.signals.pause_for_test): each signal and kill lands at that
+    point, however loaded the machine is; 600 s is only a safety net."""
+    mark = run_dir.parent / f"in-{phase}-{time.monotonic_ns()}"
+    return {**env, PAUSE_ENV: f"{phase}:600:{mark}"}, mark
+
+
+def preempt(env: dict[str, str], run_dir: Path, args: tuple[str, ...]) -> int:
+    """Start the job, SIGTERM its launcher while the ranks are held after step 2: the launcher passes the
+    signal on to the ranks, which agree on it in step 3 and save and stop there as "preempted" (exit 143).
+    Returns the step it stopped after (3)."""
+    hold, mark = held(env, run_dir, "step2")
+    process = start(hold, run_dir, *args, f"hydra.run.dir={run_dir}")
+    wait_for(process, mark.exists)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=300) == 143
     stopped = read_summary(run_dir)
-    assert stopped["status"] == "preempted" and 2 <= stopped["steps"] < total
-    assert latest(run_dir) == f"step{stopped['steps']}" and last_step(run_dir) == stopped["steps"]
+    assert stopped["status"] == "preempted" and stopped["steps"] == 3
+    assert latest(run_dir) == "step3" and last_step(run_dir) == 3
     return stopped["steps"]
 
 
@@ -107,22 +117,22 @@ def uninterrupted(process_group: None, tmp_path_factory: pytest.TempPathFactory)
 def test_a_preempted_run_killed_during_a_save_resumes_to_the_losses_of_an_uninterrupted_one(
     run_train, isolated_env, tmp_path, uninterrupted
 ):
-    """SIGTERM: saved and "preempted". Its resume is SIGKILLed while it saves (the checkpoint's files
-    written, not yet marked complete): the next resume continues from the complete checkpoint before it,
-    and the run ends bitwise where an uninterrupted one does."""
+    """SIGTERM: saved and "preempted" at step 3. Its resume is SIGKILLed while it saves step 2N (the
+    checkpoint's files written, not yet marked complete): the next resume continues from the complete
+    checkpoint before it (step N), and the run ends bitwise where an uninterrupted one does."""
     run_dir = tmp_path / "run"
-    stopped = preempt(isolated_env, run_dir, RUN, 2 * N)
+    assert preempt(isolated_env, run_dir, RUN) < N
 
-    slow_save = {**isolated_env, SLOW_SAVE_ENV: "10"}  # seconds between DeepSpeed's save and the marker
-    process = start(slow_save, run_dir, f"resume={run_dir}")
-    final = RunDir(run_dir).checkpoint(f"step{2 * N}")
-    wait_for(process, final.exists)
+    in_save, mark = held(isolated_env, run_dir, f"save-step{2 * N}")  # between DeepSpeed's files and the marker
+    process = start(in_save, run_dir, f"resume={run_dir}")
+    wait_for(process, mark.exists)
     kill_group(process)
-    previous = f"step{max(stopped, N)}"  # the newest complete save before step 2N: N, or where it stopped
+    previous = f"step{N}"  # the newest complete save before step 2N
+    assert RunDir(run_dir).checkpoint(f"step{2 * N}").is_dir()
     assert latest(run_dir) == previous and not RunDir(run_dir).marker(f"step{2 * N}").exists()
 
     resume(run_train, run_dir)
-    assert read_summary(run_dir)["resumed_from_step"] == max(stopped, N)
+    assert read_summary(run_dir)["resumed_from_step"] == N
     assert [row["step"] for row in read_metrics(run_dir)] == list(range(1, 2 * N + 1))
     assert losses(run_dir) == uninterrupted  # bitwise: same data order, same states, same arithmetic
     assert latest(run_dir) == f"step{2 * N}" and RunDir(run_dir).marker(f"step{2 * N}").is_file()
@@ -157,16 +167,14 @@ def test_two_ranks_preempted_then_killed_after_a_checkpoint_resume_bitwise(run_t
     expected, expected_state = curves(reference), final_state(reference)
 
     run_dir = tmp_path / "run"
-    stopped = preempt(isolated_env, run_dir, TWO_RANKS, STEPS)
+    stopped = preempt(isolated_env, run_dir, TWO_RANKS)
     saved = (stopped // SAVE + 1) * SAVE  # the resume's next checkpoint
-    assert saved + 2 <= STEPS, f"stopped after step {stopped}: too late for a kill after the next checkpoint"
-    # Step saved+2 hangs on rank 0 (the test's fault hook), so the kill cannot come after the run's short
-    # steps have all finished between two looks at its metrics.
-    hang = {**isolated_env, FAULT_ENV: f"0:{saved + 2}:hang"}
-    process = start(hang, run_dir, f"resume={run_dir}")
-    wait_for(process, lambda: last_step(run_dir) >= saved + 1 and latest(run_dir) == f"step{saved}")
+    # Both ranks held after step saved+1 (the checkpoint at `saved` complete), and killed there.
+    hold, mark = held(isolated_env, run_dir, f"step{saved + 1}")
+    process = start(hold, run_dir, f"resume={run_dir}")
+    wait_for(process, mark.exists)
     kill_group(process)
-    assert last_step(run_dir) == saved + 1
+    assert last_step(run_dir) == saved + 1 and latest(run_dir) == f"step{saved}"
 
     resume(run_train, run_dir)
     assert read_summary(run_dir)["resumed_from_step"] == saved
@@ -183,11 +191,11 @@ def test_a_stop_signal_to_every_process_of_two_ranks_saves_as_preempted(isolated
     the same handlers (launcher.core.signals.STOP_SIGNALS; torch's agent: tests/unit/launch/test_torchrun.py)."""
     signum = signal.SIGINT
     run_dir = tmp_path / "run"
-    process = start(isolated_env, run_dir, *TWO_RANKS, f"hydra.run.dir={run_dir}")
-    wait_for(process, lambda: last_step(run_dir) >= 2)
+    hold, mark = held(isolated_env, run_dir, "step2")
+    process = start(hold, run_dir, *TWO_RANKS, f"hydra.run.dir={run_dir}")
+    wait_for(process, mark.exists)
     signal_every_process(process, signum)
     assert process.wait(timeout=300) == 143
     stopped = read_summary(run_dir)
-    assert stopped["status"] == "preempted" and stopped["steps"] == last_step(run_dir) >= 2
-    assert latest(run_dir) == f"step{stopped['steps']}"
-    assert RunDir(run_dir).marker(f"step{stopped['steps']}").is_file()
+    assert stopped["status"] == "preempted" and stopped["steps"] == last_step(run_dir) == 3
+    assert latest(run_dir) == "step3" and RunDir(run_dir).marker("step3").is_file()

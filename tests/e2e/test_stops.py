@@ -1,12 +1,13 @@
 """A stop signal in every phase of a job, as schedulers and terminals deliver them (issue 28's matrix).
 
 Each case holds the job in one phase with the test hook `LAUNCHER_TEST_PAUSE=PHASE:SECONDS:FILE`
-(launcher.core.signals.pause_for_test; a save: LAUNCHER_TEST_SLOW_SAVE) and signals it once it is there, so
-the signal lands inside that phase, with its DataLoader workers alive: during an evaluation, a checkpoint's
-save, the data cache build, planning, an export and `launcher.prepare`. The cases cover, between them, each
-way a signal arrives (the launcher only, its process group as `timeout` and a terminal send it, every process
-as SLURM does), each stop signal, 1 and 2 ranks, ZeRO 0 and 3, 0 and 2 workers; a stop during a train step:
-tests/e2e/test_resume.py. What each ending leaves: the table in docs/runs.md ("What each ending leaves").
+(launcher.core.signals.pause_for_test: held until the stop reaches it) and signals it once it is there, so
+the signal lands inside that phase, with its DataLoader workers alive, however loaded the machine is: during
+an evaluation, a checkpoint's save, the data cache build, planning, an export and `launcher.prepare`. The
+cases cover, between them, each way a signal arrives (the launcher only, its process group as `timeout` and
+a terminal send it, every process as SLURM does), each stop signal, 1 and 2 ranks, ZeRO 0 and 3, 0 and 2
+workers; a stop during a train step: tests/e2e/test_resume.py. What each ending leaves: the table in
+docs/runs.md ("What each ending leaves").
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import pytest
 
 from launcher.core.rundir import RunDir
 from launcher.core.signals import PAUSE_ENV
-from launcher.train.faults import SLOW_SAVE_ENV
 from tests.helpers import (
     ROOT,
     last_step,
@@ -53,7 +53,7 @@ RUN = (
     "train.seed=1",
 )
 TWO_RANKS = ("dist.nproc_per_node=2", "dist.timeout_s=300")
-PAUSE_S = 6  # long enough for the test to see the file and signal; every process paused waits it out
+PAUSE_S = 600  # a safety net: a held process goes on once the stop reaches it
 
 
 def start_paused(env: dict[str, str], tmp_path: Path, phase: str, *args: str, command: tuple[str, ...] = ()) -> tuple:
@@ -125,9 +125,9 @@ def test_a_stop_during_an_evaluation_then_one_during_a_save_and_the_resumes_end_
     assert_stopped_with_a_checkpoint(run_dir, 2)
     assert "eval/loss" in read_metrics(run_dir)[-1]
 
-    slow_save = {**isolated_env, SLOW_SAVE_ENV: "4"}  # seconds between DeepSpeed's save and its completion marker
-    process = start_train(slow_save, f"resume={run_dir}", log=tmp_path / "save-0.out")
-    wait_for(process, RunDir(run_dir).checkpoint("step3").exists)
+    # Held between DeepSpeed's files of step 3 and the checkpoint's completion marker until the stop comes.
+    process, mark = start_paused(isolated_env, tmp_path, "save-step3", f"resume={run_dir}")
+    wait_for(process, mark.exists)
     process.send_signal(signal.SIGHUP)
     assert ended(process) == 143, output(tmp_path, "save")[-3000:]
     assert_stopped_with_a_checkpoint(run_dir, 4)

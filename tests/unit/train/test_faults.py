@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from launcher.train import faults
-from launcher.train.faults import FAULT_ENV, SLOW_SAVE_ENV, Fault, slow_save_seconds
+from launcher.train.faults import FAULT_ENV, Fault
 
 
 def test_the_fault_is_read_for_its_rank_only(monkeypatch):
@@ -51,10 +51,3 @@ def test_an_abort_fault_ends_the_process_by_sigabrt():
             os._exit(3)
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGABRT
-
-
-def test_a_slow_save_is_read_in_seconds(monkeypatch):
-    monkeypatch.delenv(SLOW_SAVE_ENV, raising=False)
-    assert slow_save_seconds() == 0
-    monkeypatch.setenv(SLOW_SAVE_ENV, "1.5")
-    assert slow_save_seconds() == 1.5
