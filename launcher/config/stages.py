@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,8 @@ from launcher.config.schema import TRAINABLE
 from launcher.core.errors import LauncherError
 
 SETTINGS = ("name", "steps", "train", "lr", "lr_scale")
+# A stage's name is a folder's (RUN/stages/NAME, the model it ended with): one plain name, never a path.
+STAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _EXAMPLE = "'train.stages=[{steps: 100, train: [projector]}, {train: [projector, language]}]'"
 
 
@@ -132,6 +135,11 @@ def _parse(index: int, entry: Any, frozen: Mapping[str, bool], *, last: bool) ->
             f"{key}.{unknown[0]} is no stage setting: use steps, train (the parts that train), lr, lr_scale or name"
         )
     name = str(entry.get("name") or f"stage{index + 1}")
+    if not STAGE_NAME.fullmatch(name):
+        raise LauncherError(
+            f"{key}.name={name!r} names the stage's folder (RUN/stages/NAME): use up to 64 letters, digits, '.', '_' "
+            "or '-', starting with a letter or digit (no '/', no '..')"
+        )
     steps = entry.get("steps")
     if steps is None and not last:
         raise LauncherError(

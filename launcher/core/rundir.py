@@ -161,7 +161,10 @@ class RunDir:
         return self.path / "model"
 
     def stage_model(self, stage: str) -> Path:
-        """The model a stage of train.stages ended with (Hugging Face format): where the next one starts."""
+        """The model a stage of train.stages ended with (Hugging Face format): where the next one starts.
+        A name that is a path (launcher.config.stages refuses those) could never reach outside the run dir."""
+        if Path(stage).name != stage or stage in ("", ".", ".."):
+            raise ValueError(f"stage name {stage!r} is a path, not a name")
         return self.path / "stages" / stage
 
     @property

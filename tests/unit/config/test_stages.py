@@ -61,6 +61,13 @@ def test_no_schedule_and_a_length_not_yet_counted():
         ([{"train": ["projector", "projector"]}], 10, {}, "names a part twice"),
         ([{"train": ["vision"]}], 10, {"vision": True}, "which model.freeze_vision=true freezes for the whole run"),
         ([{"train": ["projector"], "lr": 1e-3, "lr_scale": 2}], 10, {}, "sets both lr and lr_scale"),
+        # A name is a folder's (RUN/stages/NAME): a path would write, or replace, folders outside the run dir.
+        ([{"train": ["projector"], "name": "../../escaped"}], 10, {}, "train.stages[0].name='../../escaped' names"),
+        ([{"train": ["projector"], "name": "/home/me/victim"}], 10, {}, "(no '/', no '..')"),
+        ([{"train": ["projector"], "name": ".."}], 10, {}, "train.stages[0].name='..'"),
+        ([{"train": ["projector"], "name": "a/b"}], 10, {}, "train.stages[0].name='a/b'"),
+        ([{"train": ["projector"], "name": ".hidden"}], 10, {}, "starting with a letter or digit"),
+        ([{"train": ["projector"], "name": "x" * 65}], 10, {}, "up to 64 letters"),
         ([{"train": ["projector"], "lr": 0}], 10, {}, "train.stages[0].lr=0 must be a number above 0"),
         ([{"train": ["projector"], "lr_scale": "x"}], 10, {}, "train.stages[0].lr_scale=x"),
         ([{"steps": 4, "train": ["projector"]}, {"steps": 4, "train": ["language"]}], 10, {}, "take 8 steps but"),

@@ -140,3 +140,11 @@ def test_a_directory_that_cannot_be_made_is_named(tmp_path):
     (tmp_path / "file").write_text("")
     assert directory_problem(tmp_path / "file" / "run") == f"{tmp_path / 'file'} is a file, not a directory"
     assert directory_problem(Path("/proc/1/run")).startswith("cannot create a directory in /proc/1")
+
+
+def test_a_stage_model_is_a_folder_of_the_run_dirs_stages_never_a_path(tmp_path):
+    run_dir = RunDir(tmp_path / "run")
+    assert run_dir.stage_model("align-v1.5_b") == tmp_path / "run" / "stages" / "align-v1.5_b"
+    for name in ("../../escaped", "/home/me/victim", "..", "a/b", ""):
+        with pytest.raises(ValueError, match="is a path, not a name"):
+            run_dir.stage_model(name)
