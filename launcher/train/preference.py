@@ -40,8 +40,9 @@ from torch.utils.data import DataLoader, Subset
 
 from launcher.config.schema import LossConfig
 from launcher.core.children import helper_process
-from launcher.core.errors import Interrupted, LauncherError
+from launcher.core.errors import Interrupted, LauncherError, one_line
 from launcher.core.json_files import read_json_or_none, write_json_atomic
+from launcher.core.manifest import damage, fingerprint
 from launcher.core.signals import pause_for_test
 from launcher.data.length import IGNORE_INDEX
 from launcher.data.pairs import PAIR_INDEX
@@ -314,16 +315,18 @@ def precomputed_reference(
     path = Path(str(given)).expanduser() if given else cache_dir(job.config) / "reference" / key
     meta = read_json_or_none(path / META_FILE)
     sizes = {split: len(pair_set.dataset) for split, pair_set in sets.items()}
-    if given and meta is None:
-        raise LauncherError(
-            f"loss.reference_path={given}: no precomputed reference there ({path / META_FILE} is missing); "
-            "leave loss.reference_path unset to compute one"
-        )
     if meta is not None and meta.get("key") != key:
         raise LauncherError(
             f"loss.reference_path={given}: its log-probs were computed for another model or data "
             f"({meta.get('model')}, data {meta.get('data')}; this job: {job.model_path}, data {datasets}): "
             "point it at this job's reference, or leave it unset to compute one"
+        )
+    if meta is not None or (path / META_FILE).exists():  # a meta.json that does not parse is damage too
+        meta = _checked(path, meta, sizes, given=given, may_compute=may_compute)
+    if given and meta is None:
+        raise LauncherError(
+            f"loss.reference_path={given}: no precomputed reference there ({path / META_FILE} is missing); "
+            "leave loss.reference_path unset to compute one"
         )
     seconds = None
     if any_rank(meta is None, device=rank.device):  # every rank takes part when one lacks it (its own disk)
@@ -355,7 +358,8 @@ def _compute(
     chunks = [(split, n) for split, pair_set in sets.items() for n in range(-(-len(pair_set.dataset) // CHUNK_PAIRS))]
     # The chunks some rank lacks (a stopped pass keeps those it finished; a rank on another node may have a disk
     # of its own): the same list on every rank.
-    lacking = all_reduce_sum([float(not _chunk_file(path, *chunk).exists()) for chunk in chunks], rank.device)
+    whole = [_chunk_whole(path, split, n, len(_span(len(sets[split].dataset), n))) for split, n in chunks]
+    lacking = all_reduce_sum([float(not present) for present in whole], rank.device)
     todo = [chunk for chunk, count in zip(chunks, lacking, strict=True) if count]
     if rank.is_main:
         total = sum(len(pair_set.dataset) for pair_set in sets.values())
@@ -391,11 +395,13 @@ def _compute(
             if not _chunk_file(path, *chunk).exists():
                 _write_chunk(_chunk_file(path, *chunk), table)
     sizes = {split: len(pair_set.dataset) for split, pair_set in sets.items()}
+    barrier()  # every chunk is written: the first rank of each disk marks it complete
     meta = {
         "version": REFERENCE_VERSION, "key": key, "model": str(job.model_path), "data": datasets, "pairs": sizes,
         "seconds": round(time.perf_counter() - started, 3),
+        # Each chunk's size and checksum: a reader trains on no chunk whose bytes changed since.
+        "chunks": {_chunk_file(path, *chunk).name: fingerprint(_chunk_file(path, *chunk)) for chunk in chunks},
     }  # fmt: skip
-    barrier()  # every chunk is written: the first rank of each disk marks it complete
     if not (path / META_FILE).exists():
         write_json_atomic(path / META_FILE, meta)  # last: its presence marks the reference complete
     if rank.is_main:
@@ -458,10 +464,64 @@ def _chunk_file(path: Path, split: str, number: int) -> Path:
     return path / f"{split}-{number:05d}.npy"
 
 
+def _chunk_whole(path: Path, split: str, number: int, pairs: int) -> bool:
+    """Whether a chunk an earlier pass wrote reads back as its [pairs, 2] table; a damaged one is removed (and
+    computed again). A chunk is written whole (renamed into place): damage is a later change to its bytes."""
+    file = _chunk_file(path, split, number)
+    if not file.exists():
+        return False
+    try:
+        if np.load(file, mmap_mode="r").shape == (pairs, 2):
+            return True
+        why = "it holds another number of pairs"
+    except (OSError, ValueError, EOFError) as err:
+        why = f"it does not read back ({one_line(err)})"
+    log.warning("reference: %s is damaged (%s): computing it again", file, why)
+    file.unlink(missing_ok=True)
+    return False
+
+
+def _checked(path: Path, meta: dict | None, sizes: dict[str, int], *, given: Any, may_compute: bool) -> dict | None:
+    """`meta` if every chunk it lists is as it recorded; None when the reference was damaged and may be computed
+    again (the damaged files and meta.json removed, one line said); else one error naming the file and the fix."""
+    chunks = [(split, n) for split, pairs in sizes.items() for n in range(-(-pairs // CHUNK_PAIRS))]
+    names = [_chunk_file(path, *chunk).name for chunk in chunks]
+    recorded = (meta or {}).get("chunks") or {}
+    if meta is None:
+        found = [(path / META_FILE, "it does not parse as JSON")]
+    else:
+        found = [(path / name, why) for name in names if (why := damage(path / name, recorded.get(name)))]
+    if not found:
+        return meta
+    file, why = found[0]
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    if given:
+        raise LauncherError(
+            f"loss.reference_path={given}: {file} is damaged ({why}){more}: restore the reference, or leave "
+            "loss.reference_path unset to compute one"
+        )
+    if not may_compute:
+        raise LauncherError(
+            f"the precomputed reference {path} is damaged ({file.name}: {why}){more}, and this run has trained "
+            f"steps since the start (the reference is the model as it started): restore it, or start a new run"
+        )
+    log.warning("reference: %s is damaged (%s)%s: computing it again", file, why, more)
+    for damaged, _ in found:
+        damaged.unlink(missing_ok=True)
+    (path / META_FILE).unlink(missing_ok=True)
+    return None
+
+
 def _read_table(path: Path, split: str, pairs: int) -> np.ndarray:
     """One split's [pairs, 2] log-probs (chosen, rejected), from its chunk files."""
     chunks = -(-pairs // CHUNK_PAIRS)
-    tables = [np.load(_chunk_file(path, split, n)) for n in range(chunks)]
+    try:
+        tables = [np.load(_chunk_file(path, split, n)) for n in range(chunks)]
+    except (OSError, ValueError, EOFError) as err:  # a reference of an older version, without checksums
+        raise LauncherError(
+            f"{path}: a chunk of the precomputed reference does not read back ({one_line(err)}): delete the folder "
+            "to have it computed again"
+        ) from err
     table = np.concatenate(tables) if tables else np.zeros((0, 2))
     if len(table) != pairs:
         raise LauncherError(

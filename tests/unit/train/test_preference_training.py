@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,65 @@ def test_another_reference_gives_the_precomputed_ones_losses_from_log_2(train_in
     assert losses(runs[other])[0] == pytest.approx(math.log(2.0), abs=1e-6)
     assert losses(runs[other]) == pytest.approx(losses(runs["precomputed"]), abs=1e-5)
     assert _eval_losses(runs[other]) == pytest.approx(_eval_losses(runs["precomputed"]), abs=1e-5)
+
+
+def _flip_bytes(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    for at in range(len(data) - 56, len(data)):  # the log-probs, after the header: same size, other numbers
+        data[at] ^= 0x5A
+    file.write_bytes(bytes(data))
+
+
+# Data of this test's own (the reference's key with it): the cache is shared, and this test damages its reference.
+OWN = (*JOB, "data.n_train=44")
+DAMAGE = {
+    "truncated": lambda file: file.write_bytes(file.read_bytes()[:40]),
+    "bytes-flipped": _flip_bytes,
+    "missing": lambda file: file.unlink(),
+    "broken-meta": lambda file: (file.parent / "meta.json").write_text('{"key": '),
+}
+
+
+def test_a_damaged_precomputed_reference_is_never_trained_on(train_in_process, tmp_path, caplog):
+    """Each chunk's size and checksum are in the reference's meta.json. A chunk truncated, changed in place
+    (the same size: the case that trained silently wrong, step-1 loss 0.589 instead of log 2) or missing, or
+    a meta.json that does not parse: a new run says which file and why in one line, computes it again and
+    trains as on the intact reference; a resumed run, which cannot remake it, and a reference given by
+    loss.reference_path are refused in one line naming the file."""
+    clean = train_in_process(*OWN, run_dir=tmp_path / "clean")
+    assert clean.outcome.status == "completed", clean.outcome.error
+    reference = Path(clean.summary()["reference"]["path"])
+    meta = json.loads((reference / "meta.json").read_text())
+    assert set(meta["chunks"]) == {"train-00000.npy", "eval-00000.npy"}
+    assert all(set(record) == {"bytes", "sha256"} for record in meta["chunks"].values())
+
+    for kind, harm in DAMAGE.items():
+        harm(reference / "train-00000.npy")
+        caplog.clear()
+        again = train_in_process(*OWN, run_dir=tmp_path / kind)
+        assert again.outcome.status == "completed", (kind, again.outcome.error)
+        assert again.summary()["reference"]["computed"] is True, kind
+        said = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+        assert len(said) == 1 and "computing it again" in said[0] and "\n" not in said[0], (kind, said)
+        assert losses(tmp_path / kind) == losses(clean.run_dir), kind  # from log 2, as on the intact reference
+        assert json.loads((reference / "meta.json").read_text())["chunks"] == meta["chunks"], kind
+
+    stopped = RunDir(tmp_path / "stopped")  # a run with steps trained cannot remake its reference
+    stopped.path.mkdir()
+    stopped.stop_file.touch()
+    assert train_in_process(*OWN, run_dir=stopped.path).outcome.status == "preempted"
+    stopped.stop_file.unlink()
+    _flip_bytes(reference / "train-00000.npy")
+    refused = train_in_process(f"resume={stopped.path}", run_dir=stopped.path)
+    assert refused.outcome.status == "failed"
+    assert "is damaged (train-00000.npy: its checksum differs" in refused.outcome.error
+    assert "restore it, or start a new run" in refused.outcome.error
+
+    _flip_bytes(reference / "eval-00000.npy")
+    given = train_in_process(*OWN, f"loss.reference_path={reference}", run_dir=tmp_path / "given")
+    assert given.outcome.status == "failed"
+    said = given.outcome.error
+    assert f"{reference / 'train-00000.npy'} is damaged (its checksum differs" in said and "(and 1 more)" in said
+    assert "\n" not in said
+    assert (reference / "eval-00000.npy").is_file()  # a reference the user gave is left as it is
+    shutil.rmtree(reference)  # the next run of this test computes it anew
