@@ -230,24 +230,28 @@ class RunDir:
 
     # ------------------------------------------------------------------ owning it, and its records
     def claim(self) -> str | None:
-        """Own this directory for the rest of this process's life; why not, when another job owns it.
+        """Own this directory for the rest of this process's life; why not (and what to do), when another
+        job owns it or it cannot be written (a read-only disk, no permission).
 
         An OS lock (flock) on `.lock`: held while the process lives, released by the kernel however it
         ends (a crash, SIGKILL, the out-of-memory killer), so a dead job never blocks a resume."""
         key = str(self.lock.resolve())
         if key in _claimed:
             return None
-        if not self.path.exists():
-            # Made here, before Hydra: if the job then stops before using it, leave nothing behind.
-            atexit.register(_remove_if_unused, self.path)
-        self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if not self.path.exists():
+                # Made here, before Hydra: if the job then stops before using it, leave nothing behind.
+                atexit.register(_remove_if_unused, self.path)
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            return f"cannot write in it ({err.strerror or err}): make it writable, or choose another directory"
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             owner = os.read(fd, 200).decode(errors="replace").strip() or "?"
             os.close(fd)
-            return f"another job (pid {owner}) is running in it"
+            return f"another job (pid {owner}) is running in it; wait for it to end, or choose another directory"
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         _claimed[key] = fd  # kept open: closing it would release the lock

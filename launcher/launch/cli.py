@@ -77,9 +77,7 @@ def composition_refused(argv: Sequence[str]) -> str | None:
 
 def _claimed(run_dir: RunDir, key: str) -> str | None:
     problem = run_dir.claim()
-    return (
-        None if problem is None else f"{key}={run_dir.path}: {problem}; wait for it to end, or choose another directory"
-    )
+    return None if problem is None else f"{key}={run_dir.path}: {problem}"
 
 
 def _owns_run_dir(argv: Sequence[str]) -> bool:

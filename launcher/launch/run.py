@@ -114,8 +114,7 @@ def run_job(
     if slurm.global_rank(config_dist) not in (None, 0):
         return _follow_rank_zero(cfg, hydra, run_dir, rank_env or {}, output)
     if int(config_dist.node_rank) == 0 and (problem := run_dir.claim()) is not None:
-        return Outcome(run_dir.path, "failed", 2, f"hydra.run.dir={run_dir.path}: {problem}; wait for it to end, or "
-                       "choose another directory")  # fmt: skip
+        return Outcome(run_dir.path, "failed", 2, f"hydra.run.dir={run_dir.path}: {problem}")
     attempt = _Attempt(cfg, hydra, run_dir, say)
     try:
         with handling(STOP_SIGNALS, _interrupt):

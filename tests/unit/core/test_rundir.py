@@ -116,7 +116,9 @@ def test_a_run_directory_is_owned_by_one_process_at_a_time(tmp_path):
     )
     try:
         assert holder.stdout.readline().strip() == "held"
-        assert f"another job (pid {holder.pid}) is running in it" == run_dir.claim()
+        assert run_dir.claim() == (
+            f"another job (pid {holder.pid}) is running in it; wait for it to end, or choose another directory"
+        )
     finally:
         holder.kill()
         holder.wait()
@@ -148,3 +150,23 @@ def test_a_stage_model_is_a_folder_of_the_run_dirs_stages_never_a_path(tmp_path)
     for name in ("../../escaped", "/home/me/victim", "..", "a/b", ""):
         with pytest.raises(ValueError, match="is a path, not a name"):
             run_dir.stage_model(name)
+
+
+def test_a_directory_that_cannot_be_written_is_refused_with_the_reason_not_a_traceback(tmp_path):
+    """A resume into a run dir on a read-only disk raised OSError at `.lock` (issue 42): a real read-only
+    mount where this machine allows one; always, a `.lock` that cannot be opened for writing."""
+    blocked = tmp_path / "blocked"
+    (blocked / ".lock").mkdir(parents=True)
+    said = RunDir(blocked).claim()
+    assert said == "cannot write in it (Is a directory): make it writable, or choose another directory"
+
+    readonly = tmp_path / "readonly"
+    readonly.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(readonly)]
+    if subprocess.run(mount, capture_output=True).returncode:
+        pytest.skip("no read-only mount here (mount needs privileges)")
+    try:
+        said = RunDir(readonly / "run").claim()
+        assert said == "cannot write in it (Read-only file system): make it writable, or choose another directory"
+    finally:
+        subprocess.run(["umount", str(readonly)], check=True)
