@@ -361,3 +361,21 @@ def rates_in_use(engine: Any) -> dict[str, tuple[float, float]]:
     """{group name: (peak rate, weight decay)} as DeepSpeed's optimizer and scheduler hold them."""
     groups, peaks = engine.engine.optimizer.param_groups, engine.scheduler.org_lrs
     return {group["name"]: (peak, group["weight_decay"]) for group, peak in zip(groups, peaks, strict=True)}
+
+
+@contextmanager
+def small_disk(where: Path, megabytes: int) -> Iterator[Callable[[int], None]]:
+    """A tmpfs of `megabytes` at `where` (a real disk that fills: ENOSPC), resized by the callable; unmounted
+    after. Skips where this machine allows no mount."""
+    where.mkdir(parents=True, exist_ok=True)
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(where)]
+    if subprocess.run(mount, capture_output=True).returncode:
+        pytest.skip("no tmpfs mount here (mount needs privileges)")
+
+    def resize(size: int) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={size}m", str(where)], check=True)
+
+    try:
+        yield resize
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)

@@ -30,6 +30,11 @@ def write_text_atomic(path: Path, text: str) -> None:
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
         os.replace(tmp, path)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        if err.filename is None:  # a failed write names no file: this one (a full disk says which)
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

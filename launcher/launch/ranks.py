@@ -16,6 +16,7 @@ cause) as one line, instead of every rank's and the launcher's own tracebacks.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -33,6 +34,9 @@ from launcher.job.spec import Job
 from launcher.launch import slurm
 from launcher.train.ops import interpreter_path
 
+# Less free space than this where the run writes: a rank that failed without a record most likely could not
+# write one (a checkpoint's next file alone is larger).
+FULL_DISK_BYTES = 64 * 2**20
 WORKER = "launcher.launch.worker"  # a rank's entry point: python -m launcher.launch.worker RUN_DIR
 
 
@@ -243,8 +247,22 @@ def outcome(job: Job, run_dir: RunDir, returncode: int, *, primary: bool = True)
         if step is not None:  # it died in a train step, too suddenly to record an error
             message = step_failure(message, step, job.world_size, job.zero_stage)
         raise TrainingFailed(f"{message}; checkpoints saved before it resume with resume={run_dir.path}")
-    error = (summary.error if summary else None) or f"training exited with code {returncode}"
+    error = (summary.error if summary else None) or f"training exited with code {returncode}{_disk_full(run_dir)}"
     raise (LauncherError if returncode == 2 else TrainingFailed)(error)
+
+
+def _disk_full(run_dir: RunDir) -> str:
+    """Why a rank that failed may have recorded nothing: the run dir's disk is full (else "")."""
+    try:
+        free = shutil.disk_usage(run_dir.path).free
+    except OSError:
+        return ""
+    if free >= FULL_DISK_BYTES:
+        return ""
+    return (
+        f" and recorded no error: the disk of {run_dir.path} is full ({free / 2**20:.1f} MiB free): free disk space, "
+        f"then resume={run_dir.path} (complete checkpoints are kept; an incomplete one is never resumed from)"
+    )
 
 
 def _run_forwarding_stop_signals(command: list[str], env: dict[str, str], run_dir: RunDir, output: Path | None) -> int:

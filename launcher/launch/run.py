@@ -13,9 +13,12 @@ and the other tasks wait for its plan (launcher.launch.slurm).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -32,7 +35,7 @@ from launcher.config.ranges import check_config
 from launcher.config.schema import Config, typed
 from launcher.core import credentials, logs
 from launcher.core.checkpoints import read_marker
-from launcher.core.errors import Interrupted, LauncherError, one_line
+from launcher.core.errors import Interrupted, LauncherError, TrainingFailed, one_line
 from launcher.core.json_files import write_json_atomic
 from launcher.core.rank_errors import record_rank_error
 from launcher.core.rundir import RunDir
@@ -123,6 +126,10 @@ def run_job(
         return attempt.failed(err)
     except (HydraException, OmegaConfBaseException) as err:  # a resume's old command line no longer composes
         return Outcome(run_dir.path, "failed", 1, one_line(err))
+    except OSError as err:
+        if (cannot := _cannot_write(err, run_dir.path)) is None:
+            raise
+        return attempt.failed(cannot)
     except Exception as err:
         # A stop signal inside an import (transformers' lazy modules re-raise it as a RuntimeError) is still
         # the stop, not a failure of the import.
@@ -136,7 +143,29 @@ def run_job(
         summary = start(job, run_dir, env={**plan_env, **(rank_env or {})}, output=output)
     except LauncherError as err:
         return attempt.failed(err)
+    except OSError as err:
+        if (cannot := _cannot_write(err, run_dir.path)) is None:
+            raise
+        return attempt.failed(cannot)
     return _ended(run_dir, summary)
+
+
+# What a write that fails for want of room or permission raises: the disk's problem, not the program's.
+_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+
+
+def _cannot_write(err: OSError, run_dir: Path) -> TrainingFailed | None:
+    """A full, over-quota or read-only disk met while the launcher writes the run dir, as one line."""
+    if err.errno not in _DISK_ERRNOS:
+        return None
+    where = Path(str(err.filename)) if err.filename else run_dir
+    facts = [err.strerror or str(err)]
+    with contextlib.suppress(OSError):
+        facts.append(f"{shutil.disk_usage(where.parent).free / 2**20:.1f} MiB free there")
+    return TrainingFailed(
+        f"cannot write {where} ({'; '.join(facts)}): free disk space, or put hydra.run.dir on a writable disk with "
+        "room; nothing incomplete is resumed from"
+    )
 
 
 def _interruption_behind(err: BaseException) -> Interrupted | None:
@@ -255,7 +284,10 @@ class _Attempt:
             if not (self.cfg.get("resume") and summary.status in ("completed", "preempted")):
                 summary.failed(message, wall_s=time.time() - self.started, status=status)
                 summary.steps = self.run_dir.last_recorded_step()  # a killed rank recorded none: its metrics say
-                self.run_dir.write_summary(summary)
+                try:
+                    self.run_dir.write_summary(summary)
+                except OSError as write_error:  # a full or read-only disk: the cause's line still reaches the user
+                    message += f"; {self.run_dir.summary} could not be written ({write_error.strerror or write_error})"
         if str(self.cfg.dist.launcher) == "slurm":
             launch = slurm.launch_id(self.cfg.dist)
             record_rank_error(self.run_dir, 0, message, err.exit_code, traceback.format_exc(), launch=launch)

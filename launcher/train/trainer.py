@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -461,9 +462,12 @@ def _failed(err: BaseException, job: Job, run_dir: RunDir, summary: Summary, tra
     summary.wall_s = round(time.time() - track.started, 3)
     exit_code = err.exit_code if isinstance(err, LauncherError) else 1
     trace_file = run_dir.rank_traceback(track.rank)
-    # Best effort: on a full disk these writes fail too, and must not hide the error itself.
-    with contextlib.suppress(OSError):
+    # Best effort: on a full disk these writes fail too, and must not hide the error itself, which then goes
+    # to the rank's output (the launcher's line can only say that the disk is full).
+    try:
         trace_file = record_rank_error(run_dir, track.rank, message, exit_code, traceback.format_exc())
+    except OSError as write_error:
+        print(f"error: rank {track.rank}: {message} ({run_dir.errors} not written: {write_error})", file=sys.stderr)
     run = track.run
     # A resume that failed before its checkpoint loaded has earned no summary: the run's stays as it was.
     if track.rank == 0 and (job.resume is None or (run is not None and run.start_step > 0)):

@@ -4,6 +4,7 @@ the rendezvous port, the settings refused before any rank starts, and `outcome`:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -26,7 +27,7 @@ from launcher.launch.ranks import (
     torchrun_command,
 )
 from launcher.train.faults import FAULT_ENV
-from tests.helpers import QUICK, compose_typed, hydra_job, read_metrics, run_here
+from tests.helpers import QUICK, compose_typed, hydra_job, read_metrics, run_here, small_disk
 
 
 def dist_of(*overrides: str):
@@ -189,6 +190,25 @@ def test_otherwise_the_exit_code_says_what_kind_of_failure(job):
     run_dir.write_summary(Summary(status="failed", error="loss is NaN at step 2"))
     with pytest.raises(TrainingFailed, match=r"^loss is NaN at step 2$"):
         outcome(job, run_dir, 1)
+
+
+def test_a_rank_that_recorded_nothing_on_a_full_disk_is_said_to_have_met_a_full_disk(job, tmp_path):
+    """On a disk too full for a rank's error record the launcher can only see the exit code: it says the disk
+    is full, and how to go on."""
+    with small_disk(tmp_path / "disk", 1):
+        run_dir = RunDir(tmp_path / "disk" / "run")
+        run_dir.path.mkdir()
+        with contextlib.suppress(OSError), (tmp_path / "disk" / "ballast").open("wb") as handle:
+            while True:
+                handle.write(b"\0" * 4096)
+                handle.flush()
+        with pytest.raises(TrainingFailed) as failed:
+            outcome(job, run_dir, 1)
+    assert str(failed.value) == (
+        f"training exited with code 1 and recorded no error: the disk of {run_dir.path} is full (0.0 MiB free): "
+        f"free disk space, then resume={run_dir.path} (complete checkpoints are kept; an incomplete one is never "
+        "resumed from)"
+    )
 
 
 # ----------------------------------------------------------------------------- starting them

@@ -16,6 +16,7 @@ pre-Hydra checks as functions in tests/unit/launch/test_cli.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -32,7 +33,7 @@ import pytest
 
 from launcher.config.schema import run_dir_of
 from launcher.core.overrides import argument
-from tests.helpers import QUICK, ROOT, Ran, cpu_only, no_fp16, read_summary, run_here
+from tests.helpers import QUICK, ROOT, Ran, cpu_only, no_fp16, read_summary, run_here, small_disk
 
 GOOD = {
     "image": "images/ok.png",
@@ -1013,6 +1014,44 @@ def test_a_failed_data_cache_write_is_one_line_and_leaves_no_cache_that_looks_co
     # The shard being written is removed; a build keeps only complete shards, under a dot-name, for its next try.
     assert all(path.name.startswith(".") for path in (cache / "data_cache").iterdir())
     assert not list((cache / "data_cache").rglob("*.bin"))
+
+
+@pytest.mark.slow  # it trains (in this process), twice
+def test_a_full_disk_during_a_save_is_one_line_even_where_the_summary_cannot_be_written(
+    tmp_path, train_in_process, capfd
+):
+    """The run dir on a 6 MiB disk: the step-1 checkpoint (about 3.6 MiB) fits, step 2's does not (ENOSPC):
+    one line with the cause, and `latest` stays at step 1. Then the disk filled to its last byte, where not
+    even summary.json or the rank's error record can be written (once: "training exited with code 1" and two
+    tracebacks): the resume still ends in one line, saying what could not be written. With room made, the
+    same resume completes."""
+    disk = tmp_path / "disk"
+    with small_disk(disk, 6) as resize:
+        run_dir = disk / "run"
+        ran = train_in_process(*QUICK, "train.save_every=1", "train.keep_checkpoints=2", run_dir=run_dir)
+        line = assert_one_clear_error(ran, f"cannot write checkpoint {run_dir / 'checkpoints' / 'step2'} (", 1)
+        assert "0.0 GiB free there" in line
+        assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step1"
+
+        ballast = disk / "ballast"
+        with contextlib.suppress(OSError), ballast.open("wb") as handle:
+            while True:
+                handle.write(b"\0" * 4096)
+                handle.flush()
+        capfd.readouterr()
+        full = train_in_process(f"resume={run_dir}", run_dir=run_dir)
+        assert full.outcome.status == "failed" and full.outcome.exit_code in (1, 2), full.outcome
+        said = full.outcome.error
+        assert said.startswith(f"cannot write {run_dir}/") and "(No space left on device; 0.0 MiB free there)" in said
+        assert said.endswith(f"; {run_dir / 'summary.json'} could not be written (No space left on device)"), said
+        assert "\n" not in said and "Traceback" not in said
+        assert "Traceback" not in capfd.readouterr().err
+
+        ballast.unlink()
+        resize(32)  # room made: the same run resumes from its complete checkpoint
+        resumed = train_in_process(f"resume={run_dir}", run_dir=run_dir)
+        assert resumed.outcome.status == "completed", resumed.outcome.error
+        assert read_summary(run_dir)["resumed_from_step"] == 1 and (run_dir / "model" / "config.json").is_file()
 
 
 def test_every_row_of_the_error_table_names_a_test_that_exists():
