@@ -14,11 +14,17 @@ transformers.
 import os
 import sys
 
+# First, before anything slow: from here on a stop signal (SIGTERM, SIGINT, SIGHUP, ...) is remembered, and the
+# job ends "interrupted" with a summary instead of dying silently in an import (launcher.core.signals).
+from launcher.core.signals import pause_for_test, record_stop_signals_from_now
+
+if __name__ == "__main__":
+    record_stop_signals_from_now()
+
 import hydra
 from omegaconf import DictConfig
 
 from launcher.config.schema import register_configs
-from launcher.core.signals import recording_stop_signals
 from launcher.launch.cli import composition_refused, local_rank_dropped, refused_run_dir
 
 register_configs()
@@ -39,6 +45,7 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    pause_for_test("start")  # the tests' stop signals land here, before Hydra (a no-op otherwise)
     if (local_rank := local_rank_dropped(sys.argv)) is not None:  # run by DeepSpeed's launcher itself
         os.environ.setdefault("LOCAL_RANK", local_rank)
     if (refused := composition_refused(sys.argv)) is not None:  # one line, where Hydra would print a dump
@@ -47,9 +54,7 @@ if __name__ == "__main__":
     if (refused := refused_run_dir(sys.argv)) is not None:
         print(f"error: {refused}", file=sys.stderr)
         sys.exit(2)
-    # Before Hydra writes anything: a stop signal from now on ends the job as "interrupted", with a summary.
-    with recording_stop_signals():
-        main()
+    main()
     from launcher.compare.sweep import failed_sweep_line
 
     if (ended := failed_sweep_line()) is not None:  # the end of a sweep, one of whose jobs did not complete

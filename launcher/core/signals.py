@@ -64,6 +64,15 @@ def recording_stop_signals() -> Iterator[None]:
         _received = None
 
 
+def record_stop_signals_from_now() -> None:
+    """`recording_stop_signals` for the rest of this process's life: a command line's first statement
+    (train.py), so that no stop signal finds the process without its handlers, even in an import."""
+    global _received
+    _received = []
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, remember)
+
+
 def remember(signum: int, _frame: object = None) -> None:
     """Note a stop signal for what runs next in this process (a sweep's next job ends as interrupted)."""
     if _received is not None:

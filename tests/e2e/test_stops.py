@@ -215,6 +215,23 @@ def test_sigterm_during_the_reference_pass_keeps_its_chunks_and_the_same_command
     assert read_metrics(tmp_path / "again")[0]["train/loss"] == pytest.approx(0.6931471805599453, abs=1e-6)
 
 
+# ----------------------------------------------------------------------------- at the first line
+def test_sighup_in_train_pys_first_moments_ends_the_job_interrupted_with_a_summary(isolated_env, tmp_path):
+    """A terminal closed while `python train.py` starts (before Hydra, its config not yet composed): the stop
+    is remembered from train.py's first statement, so the job still gets its run dir and a summary saying
+    "interrupted" (exit 143, one line). It used to die of the signal with nothing written (exit 129)."""
+    run_dir = tmp_path / "run"
+    process, mark = start_paused(isolated_env, tmp_path, "start", *RUN, f"hydra.run.dir={run_dir}")
+    wait_for(process, mark.exists)
+    process.send_signal(signal.SIGHUP)
+    assert ended(process) == 143, output(tmp_path, "start")[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["status"] == "interrupted" and summary["steps"] == 0
+    assert summary["error"] == "stopped by SIGHUP before training started; start the job again"
+    assert output(tmp_path, "start").strip().splitlines()[-1] == f"error: {summary['error']}"
+    assert not RunDir(run_dir).job.exists()
+
+
 # ----------------------------------------------------------------------------- during planning
 def test_sigusr1_to_the_group_while_planning_ends_the_job_interrupted_before_any_rank(isolated_env, tmp_path):
     """SLURM's warning signal to the process group while the launcher plans a 2-rank job: "interrupted",
