@@ -283,6 +283,7 @@ def looks_like_hub_id(path: str) -> bool:
 
 # ----------------------------------------------------------------------------- preference pairs
 REJECTED_SUFFIX = "#rejected"  # a pair's rejected record's id: its chosen record's id and this
+V1_PAIR = ("chosen_messages", "rejected_messages")  # LLaMA-Factory v1: each side a whole conversation
 
 
 def pair_records(raw: Any, where: str, fmt: str, image_root: Path, options: ReadOptions) -> tuple[dict, dict]:
@@ -294,19 +295,25 @@ def pair_records(raw: Any, where: str, fmt: str, image_root: Path, options: Read
                         "rejected": the same}
         TRL            {"prompt": "..." | [messages], "chosen": "..." | [messages], "rejected": the same,
                         "images": [...]}
+        LLaMA-Factory v1  {"chosen_messages": [the whole conversation, its parts {"type": ..., "value": ...}],
+                           "rejected_messages": the same}
 
     Text-only records (no images) and several images per record read as in the other formats."""
     if not isinstance(raw, dict):
         raise BadRecordError(f"{where}: a record must be a JSON object, not {type(raw).__name__}")
-    for key in ("chosen", "rejected"):
+    keys = V1_PAIR if any(key in raw for key in V1_PAIR) else ("chosen", "rejected")
+    for key in keys:
         if raw.get(key) in (None, "", []):
             raise BadRecordError(
-                f"{where}: a preference record needs a 'chosen' and a 'rejected' answer (loss={{dpo,ipo}}); "
+                f"{where}: a preference record needs a '{keys[0]}' and a '{keys[1]}' answer (loss={{dpo,ipo}}); "
                 f"this one has no '{key}': give both, or train it with loss=sft"
             )
     conversations = []
-    for key in ("chosen", "rejected"):
-        conversation = _with_answer(raw, raw[key], where)
+    for key in keys:
+        if keys == V1_PAIR:
+            conversation = {**{k: v for k, v in raw.items() if k not in V1_PAIR}, "messages": raw[key]}
+        else:
+            conversation = _with_answer(raw, raw[key], where)
         if fmt == "auto":
             fmt = detect_format(conversation, where)
         conversations.append(normalize(conversation, fmt, where, image_root, options))
@@ -346,7 +353,7 @@ def _with_answer(raw: dict, answer: Any, where: str) -> dict:
 # ----------------------------------------------------------------------------- formats
 def refuse_pair(raw: dict, where: str) -> None:
     """A preference record read for a supervised loss: one line naming the loss that trains it."""
-    if "chosen" in raw or "rejected" in raw:
+    if any(key in raw for key in ("chosen", "rejected", *V1_PAIR)):
         raise BadRecordError(
             f"{where}: a preference record ('chosen'/'rejected' answers): train it with a preference loss "
             "(loss=dpo or loss=ipo)"

@@ -42,8 +42,10 @@ def check_inputs(config: Config, job: Job, *, launching: bool) -> None:
     (indexed here, `check_records`), the method (adapter targets, 4-bit loading), the
     attention kernel and image resolution, and whether this machine has a device for every rank it
     would start (not for a dry run, which may plan a job for a bigger machine)."""
-    check_data(config.data)
+    # The loss first: what a preference loss cannot honour at all (packing, streaming) is the real reason, not
+    # the setting that packing or streaming would need next.
     check_loss(config)
+    check_data(config.data)
     check_cache_dir(config)
     check_model_files(config.model)
     check_records(config, micro_batch=job.micro_batch, world_size=job.world_size, launching=launching)

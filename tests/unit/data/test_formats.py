@@ -490,6 +490,17 @@ def test_llama_factory_and_trl_preference_records_read_as_adjacent_chosen_and_re
             "rejected": {"role": "assistant", "content": "5"},
         },
         {"id": "trl", "prompt": "<image>what colour?", "chosen": "red", "rejected": "blue", "images": ["a.png"]},
+        {  # LLaMA-Factory v1 (v1_dpo_demo.jsonl): each side a whole conversation, parts named by "value"
+            "id": "lf-v1",
+            "chosen_messages": [
+                {"role": "user", "content": [{"type": "text", "value": "2+3?"}], "loss_weight": 0.0},
+                {"role": "assistant", "content": [{"type": "text", "value": "5"}], "loss_weight": 1.0},
+            ],
+            "rejected_messages": [
+                {"role": "user", "content": [{"type": "text", "value": "2+3?"}], "loss_weight": 0.0},
+                {"role": "assistant", "content": [{"type": "text", "value": "6"}], "loss_weight": 1.0},
+            ],
+        },
         {  # TRL, conversational, the image as a part
             "id": "trl-chat",
             "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "shape?"}]}],
@@ -502,14 +513,16 @@ def test_llama_factory_and_trl_preference_records_read_as_adjacent_chosen_and_re
     assert skipped == 0 and fmt == "llava"
     assert _pair_texts(read_back) == [
         ("lf", "the first"), ("lf#rejected", "the second"), ("lf-text", "4"), ("lf-text#rejected", "5"),
-        ("trl", "red"), ("trl#rejected", "blue"), ("trl-chat", "circle"), ("trl-chat#rejected", "square"),
+        ("trl", "red"), ("trl#rejected", "blue"), ("lf-v1", "5"), ("lf-v1#rejected", "6"),
+        ("trl-chat", "circle"), ("trl-chat#rejected", "square"),
     ]  # fmt: skip
     chosen, rejected = read_back[0], read_back[1]
     assert chosen["images"] == rejected["images"] == [str(tmp_path / "a.png"), str(tmp_path / "b.png")]
     assert chosen["messages"][0] == rejected["messages"][0]  # the same prompt
-    assert [r["index"] for r in read_back] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [r["index"] for r in read_back] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
     assert read_back[2]["images"] == [] and read_back[2]["messages"][0]["role"] == "system"
-    assert read_back[6]["messages"][0]["content"][0] == {"type": "image"}
+    assert read_back[6]["messages"][0] == read_back[7]["messages"][0] and read_back[6]["images"] == []
+    assert read_back[8]["messages"][0]["content"][0] == {"type": "image"}
 
 
 @pytest.mark.parametrize(
@@ -529,6 +542,16 @@ def test_a_bad_preference_record_is_one_line_naming_it(tmp_path, record, reason)
     records, skipped, _ = read(write_json(tmp_path / "two.json", [record, record | {"rejected": "b", "chosen": "a",
                                "prompt": "q?"}]), pairs=True, on_bad_record="skip")  # fmt: skip
     assert skipped == 1 and len(records) == 2
+
+
+def test_a_llama_factory_v1_pair_without_its_rejected_side_names_the_v1_keys(tmp_path):
+    lone = [{"role": "user", "content": "q?"}, {"role": "assistant", "content": "a"}]
+    records = [{"chosen_messages": lone, "rejected_messages": [*lone[:1], {"role": "assistant", "content": "b"}]}]
+    path = write_json(tmp_path / "v1.jsonl", [*records, {"chosen_messages": lone}], lines=True)
+    with pytest.raises(LauncherError, match=r"\(record 1\): .* needs a 'chosen_messages' and a 'rejected_messages'"):
+        read(path, pairs=True)
+    with pytest.raises(LauncherError, match=r"\(record 0\): a preference record .* \(loss=dpo or loss=ipo\)"):
+        read(path)  # under the supervised loss: the loss to use
 
 
 def test_a_preference_record_under_a_supervised_loss_names_the_loss_to_use(tmp_path):
