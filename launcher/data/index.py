@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import logging
 import multiprocessing
 import os
 import tempfile
@@ -32,9 +33,12 @@ import numpy as np
 import pyarrow as pa
 
 from launcher.core.children import helper_process
+from launcher.core.manifest import damage, fingerprint
 from launcher.data.formats import ReadOptions, read_records
 
 INDEX_VERSION = 1
+
+log = logging.getLogger("launcher")
 BATCH_ROWS = 4096  # records per Arrow record batch: what one sequential read parses at a time
 # Data files at least this large are indexed in a child process: parsing one holds ~15x its size in
 # Python objects (2 GB for a 132 MiB, 665K-record JSON), which the launcher, living as long as the job,
@@ -183,11 +187,24 @@ def file_identity(path: str) -> list[Any] | None:
 
 
 def read_index_meta(table: Path) -> dict | None:
+    """The index's meta when the index is complete and its Arrow file the one written (size and SHA-256 as
+    the meta records); None: build it (again), a damaged one named in one line first."""
+    done = table.with_suffix(".json")
     try:
-        meta = json.loads(table.with_suffix(".json").read_text())
-    except (OSError, ValueError):
-        return None
-    return meta if meta.get("version") == INDEX_VERSION and table.is_file() else None
+        meta = json.loads(done.read_text())
+    except OSError:
+        return None  # not built yet, or killed before it was marked complete
+    except ValueError:
+        meta, why = None, f"{done.name} does not parse as JSON"
+    else:
+        if not isinstance(meta, dict) or meta.get("version") != INDEX_VERSION:
+            return None
+        why = damage(table, meta.get("arrow"))
+        if why is None:
+            return meta
+    log.warning("record index %s is damaged (%s): building it again", table, why)
+    done.unlink(missing_ok=True)
+    return None
 
 
 def _write(table: Path, records: list[dict], meta: dict) -> None:
@@ -204,6 +221,7 @@ def _write(table: Path, records: list[dict], meta: dict) -> None:
             os.unlink(tmp.name)
             raise
     os.replace(tmp.name, table)
+    meta = {**meta, "arrow": fingerprint(table)}  # what a reader checks before it trusts the Arrow file
     done = table.with_suffix(".json")
     partial = done.with_name(f".{done.name}.{os.getpid()}")
     partial.write_text(json.dumps(meta) + "\n")

@@ -105,6 +105,36 @@ def test_a_half_written_index_is_built_again(tmp_path, data_file):
     assert not [p for p in (tmp_path / "index").iterdir() if p.name.startswith(".")]  # no temporary left
 
 
+def _flip_last_bytes(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    for at in range(len(data) // 2, len(data) // 2 + 16):  # inside the record batches: the same size
+        data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("harm", "why"),
+    [
+        (lambda table: table.write_bytes(table.read_bytes()[:100]), "bytes, the manifest says"),
+        (_flip_last_bytes, "its checksum differs from the manifest's"),
+        (lambda table: table.unlink(), "missing"),
+        (lambda table: table.with_suffix(".json").write_text('{"version": '), "does not parse as JSON"),
+    ],
+    ids=["truncated", "bytes-flipped", "missing", "broken-meta"],
+)
+def test_a_damaged_index_is_named_and_built_again_never_read(tmp_path, data_file, caplog, harm, why):
+    """Once: `pyarrow.lib.ArrowInvalid: Not an Arrow file` in every later job on that data (issue 42)."""
+    expected, _, _ = read_records(data_file, ReadOptions())
+    records, _, _ = indexed_records(str(data_file), ReadOptions(), tmp_path / "index")
+    assert set(json.loads(records.path.with_suffix(".json").read_text())["arrow"]) == {"bytes", "sha256"}
+    harm(records.path)
+    again, _, _ = indexed_records(str(data_file), ReadOptions(), tmp_path / "index")
+    assert list(again) == expected
+    said = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(said) == 1 and why in said[0] and said[0].endswith("building it again"), said
+    assert indexed_records(str(data_file), ReadOptions(), tmp_path / "index")[0].path == records.path  # whole again
+
+
 def test_records_of_several_sources_carry_their_source(tmp_path, data_file):
     table, _, _ = indexed_records(str(data_file), ReadOptions(), tmp_path / "index")
     listed = read_records(data_file, ReadOptions())[0][:2]
