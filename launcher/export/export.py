@@ -75,7 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path, help="a run directory (holding model/ or checkpoints/)")
     parser.add_argument("--merge", action="store_true", help="fold LoRA adapters into the base weights")
     parser.add_argument("--out", type=Path, default=None, help="where to write (default: RUN_DIR/export[-merged])")
-    parser.add_argument("--checkpoint", default=None, help="a checkpoint tag (step_NNNNNNNN) or 'latest'")
+    parser.add_argument(
+        "--checkpoint", default=None, help="a checkpoint tag (step200: a folder of RUN/checkpoints) or 'latest'"
+    )
     parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="held-out samples compared")
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE, help="largest logit difference")
     args = parser.parse_args(argv)

@@ -190,10 +190,14 @@ class Job:
         rates = describe_groups(group_specs(self.config.train.groups), base_lr)
         if self.stages:
             rates = (rates + "; " if rates else "") + "stages " + ", ".join(s.describe(base_lr) for s in self.stages)
+        data, per_rank = self.config.data, f"{ds['train_micro_batch_size_per_gpu']}"
+        if data.packing:  # a micro batch is rows of several records each
+            row = data.pack_length if data.pack_length is not None else data.max_length
+            per_rank += f" packed rows of {row} tokens"
         return (
             f"job: {self.config.model.name} ({self.config.method.name}) on {ranks} ({self.device.kind}), "
             f"ZeRO {self.zero_stage}, offload {offload_of(ds)}, {self.precision}; batch {ds['train_batch_size']} "
-            f"= {ds['train_micro_batch_size_per_gpu']} per rank x {ds.get('gradient_accumulation_steps', 1)} "
+            f"= {per_rank} per rank x {ds.get('gradient_accumulation_steps', 1)} "
             f"accumulated x {ranks}; {rates + '; ' if rates else ''}run dir {self.hydra.run_dir}"
         )
 

@@ -95,6 +95,8 @@ def test_the_facts_a_job_answers_are_read_from_its_dict(tmp_path):
     plain = planned((), tmp_path)
     assert plain.offload_optimizer is None and plain.labels == DEFAULT_CHOICES
     assert plain.describe().startswith("job: tiny_llava (full) on 1 rank (")
+    packed = planned(("data.packing=true", "data.pack_length=2048", "train.micro_batch_size=2"), tmp_path)
+    assert "; batch 2 = 2 packed rows of 2048 tokens per rank x 1 accumulated x 1 rank;" in packed.describe()
 
 
 def test_job_json_round_trips_and_holds_the_derived_facts_for_its_readers(tmp_path):
