@@ -298,10 +298,9 @@ def _loader_args(job: Job, rank: Rank) -> dict[str, Any]:
 def _paired(rank: Rank, rows: Any, collate: Any, kept: Sequence[int], split: str) -> tuple[PairedRows, PairCollator]:
     """A split's rows as preference pairs (launcher.data.pairs): those whose both records survived."""
     paired = PairedRows(rows, kept)
-    if paired.dropped and rank.is_main:
-        log.info(
-            "data: %d %s pair(s) left out, their other answer skipped (skipped_records.jsonl)", paired.dropped, split
-        )
+    if rank.is_main:  # the records line counts answers; what trains is pairs
+        left_out = f", {paired.dropped} left out as their other answer was skipped (skipped_records.jsonl)"
+        log.info("data: %d %s preference pairs%s", len(paired), split, left_out if paired.dropped else "")
     if not len(paired):
         raise LauncherError(f"data: no {split} preference pair has both its answers left (each skipped: see the log)")
     return paired, PairCollator(collate)

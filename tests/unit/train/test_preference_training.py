@@ -123,6 +123,8 @@ def test_a_damaged_precomputed_reference_is_never_trained_on(train_in_process, t
     loss.reference_path are refused in one line naming the file."""
     clean = train_in_process(*OWN, run_dir=tmp_path / "clean")
     assert clean.outcome.status == "completed", clean.outcome.error
+    said = caplog.messages
+    assert "data: 44 train preference pairs" in said and "data: 16 eval preference pairs" in said  # not rows
     reference = Path(clean.summary()["reference"]["path"])
     meta = json.loads((reference / "meta.json").read_text())
     assert set(meta["chunks"]) == {"train-00000.npy", "eval-00000.npy"}
