@@ -117,16 +117,9 @@ def hydra_job(overrides: Sequence[str], run_dir: Path, *, multirun: bool = False
 def train_here(job: Any, run_dir: Any, *, env: dict[str, str], primary: bool = True, output: Path | None = None) -> Any:
     """`run_job`'s `start` for one rank trained in this process (on the `process_group` fixture's gloo
     group): what launcher.launch.ranks.start_ranks does with a child process, without its start-up."""
-    import torch
-
     from launcher.train.trainer import train
 
     assert job.world_size == 1, "a job trained in the test process has one rank"
-    # A rank's arithmetic: the threads launcher.launch.ranks gives a rank it starts (OMP_NUM_THREADS, else the
-    # machine's cores). torch's reductions split by thread, and the bitwise tests compare this process's losses
-    # with those of ranks it started: in CI this process once computed on 2 threads and its ranks on 1, and
-    # the resume tests' losses differed in the 7th digit.
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, os.cpu_count() or 1)))
     return train(job, run_dir.path)
 
 
