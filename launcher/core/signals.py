@@ -85,12 +85,12 @@ def received() -> str | None:
 
 
 # ----------------------------------------------------------------------------- a test hook
-# `LAUNCHER_TEST_PAUSE=PHASE:SECONDS:FILE` holds a process in a phase (plan, cache, eval, reference, export, a
-# checkpoint's save `save-stepN`, the end of a train step `stepN`) the first time it gets there, after creating
-# FILE, until a stop reaches it (or SECONDS pass: a safety net). The tests of stop signals and kills send theirs
-# once FILE exists, so each lands inside that phase (with the DataLoader workers of a cache build or an
-# evaluation alive) on a loaded machine as on a quiet one: what happens next depends on the phase, not on how
-# soon the test process was scheduled.
+# `LAUNCHER_TEST_PAUSE=PHASE:SECONDS:FILE` holds a process in a phase (train.py's `start`, plan, cache, eval,
+# reference, export, a checkpoint's save `save-stepN`, the end of a train step `stepN`) the first time it gets
+# there, after creating FILE, until a stop reaches it (or SECONDS pass: a safety net). The tests of stop signals
+# and kills send theirs once FILE exists, so each lands inside that phase (with the DataLoader workers of a cache
+# build or an evaluation alive) on a loaded machine as on a quiet one: what happens next depends on the phase,
+# not on how soon the test process was scheduled.
 PAUSE_ENV = "LAUNCHER_TEST_PAUSE"
 _paused: set[str] = set()  # the phases this process was held in already
 
