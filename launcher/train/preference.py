@@ -293,6 +293,11 @@ def _span(pairs: int, number: int) -> range:
     return range(number * CHUNK_PAIRS, min(pairs, (number + 1) * CHUNK_PAIRS))
 
 
+def _chunks(sizes: dict[str, int]) -> list[tuple[str, int]]:
+    """(split, number) of every chunk of a reference of `sizes` pairs per split."""
+    return [(split, n) for split, pairs in sizes.items() for n in range(-(-pairs // CHUNK_PAIRS))]
+
+
 def precomputed_reference(
     job: Job,
     rank: Rank,
@@ -355,7 +360,8 @@ def _compute(
 ) -> None:
     started = time.perf_counter()
     path.mkdir(parents=True, exist_ok=True)
-    chunks = [(split, n) for split, pair_set in sets.items() for n in range(-(-len(pair_set.dataset) // CHUNK_PAIRS))]
+    sizes = {split: len(pair_set.dataset) for split, pair_set in sets.items()}
+    chunks = _chunks(sizes)
     # The chunks some rank lacks (a stopped pass keeps those it finished; a rank on another node may have a disk
     # of its own): the same list on every rank.
     whole = [_chunk_whole(path, split, n, len(_span(len(sets[split].dataset), n))) for split, n in chunks]
@@ -394,7 +400,6 @@ def _compute(
         for chunk, table in part.items():
             if not _chunk_file(path, *chunk).exists():
                 _write_chunk(_chunk_file(path, *chunk), table)
-    sizes = {split: len(pair_set.dataset) for split, pair_set in sets.items()}
     barrier()  # every chunk is written: the first rank of each disk marks it complete
     meta = {
         "version": REFERENCE_VERSION, "key": key, "model": str(job.model_path), "data": datasets, "pairs": sizes,
@@ -484,8 +489,7 @@ def _chunk_whole(path: Path, split: str, number: int, pairs: int) -> bool:
 def _checked(path: Path, meta: dict | None, sizes: dict[str, int], *, given: Any, may_compute: bool) -> dict | None:
     """`meta` if every chunk it lists is as it recorded; None when the reference was damaged and may be computed
     again (the damaged files and meta.json removed, one line said); else one error naming the file and the fix."""
-    chunks = [(split, n) for split, pairs in sizes.items() for n in range(-(-pairs // CHUNK_PAIRS))]
-    names = [_chunk_file(path, *chunk).name for chunk in chunks]
+    names = [_chunk_file(path, *chunk).name for chunk in _chunks(sizes)]
     recorded = (meta or {}).get("chunks") or {}
     if meta is None:
         found = [(path / META_FILE, "it does not parse as JSON")]
