@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 from launcher.config.compose import compose
 from launcher.config.schema import TuneConfig
 from launcher.core.errors import Interrupted
+from launcher.core.json_files import write_text_atomic
 from launcher.core.rundir import RunDir
 from launcher.core.summary import Summary
 from launcher.job.spec import HydraJob
@@ -252,7 +253,7 @@ class _Watcher:
                 status, note = verdict
                 # Read by the launcher when the ranks die: the candidate's log and summary then name the
                 # tuner, not the out-of-memory killer a SIGKILL otherwise suggests.
-                self.run_dir.ended_by.write_text(f"the tuner ({status}{': ' + note if note else ''})\n")
+                write_text_atomic(self.run_dir.ended_by, f"the tuner ({status}{': ' + note if note else ''})\n")
                 kill_ranks(os.getpid())
 
 
