@@ -88,6 +88,11 @@ RANGES: tuple[Range, ...] = (
     at_least("train.keep_checkpoints", 1),
     at_least("logger.log_every", 1),
     at_least("train.max_nonfinite_steps", 0),
+    Range(
+        "loss.chunk_tokens",
+        lambda v: int(v) >= 0,
+        "must be a number of answer tokens per pass through the output layer (e.g. 1024), or 0 for the whole logits",
+    ),
     Range("train.seed", lambda v: 0 <= int(v) < 2**32, "must lie in [0, 2**32) (NumPy's seed range)"),
     *(
         Range(
@@ -221,9 +226,10 @@ def _num_workers(cfg: Any) -> None:
 
 
 def _model_source(cfg: Any) -> None:
-    """A pretrained model needs a path; a tiny one is built from code and takes none."""
+    """A pretrained model needs a path (a random one too: its architecture's); a tiny one is built from code
+    and takes none."""
     model = cfg.model
-    if str(model.source) == "pretrained":
+    if str(model.source) in ("pretrained", "random"):
         if not model.path:
             raise LauncherError(f"model.path is empty for model={model.name}: give a hub id or a local directory")
         return

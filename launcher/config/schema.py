@@ -42,7 +42,7 @@ def _choice(name: str, values: tuple[str, ...]) -> type[Choice]:
 Precision = _choice("Precision", ("fp32", "bf16", "fp16", "auto"))
 PlannedPrecision = _choice("PlannedPrecision", ("bf16", "fp16", "fp32"))
 OffloadDevice = _choice("OffloadDevice", ("none", "cpu", "nvme"))
-ModelSource = _choice("ModelSource", ("tiny", "pretrained"))
+ModelSource = _choice("ModelSource", ("tiny", "pretrained", "random"))
 TinyArch = _choice("TinyArch", ("tiny_llava", "tiny_qwen2_vl"))
 OnBadRecord = _choice("OnBadRecord", ("error", "skip"))
 Truncation = _choice("Truncation", ("truncate", "skip"))
@@ -182,11 +182,12 @@ def freeze_flags(model: Any) -> dict[str, bool]:
 
 @dataclass
 class ModelConfig:
-    """A vision-language model: built tiny from code (`source: tiny`) or loaded (`source: pretrained`)."""
+    """A vision-language model: built tiny from code (`source: tiny`), loaded (`source: pretrained`), or
+    model.path's architecture with random weights and a local tokenizer, without a download (`source: random`)."""
 
     name: str = MISSING
     source: ModelSource = MISSING
-    # pretrained: a hub id or a local directory; tiny: null (the model is built from code).
+    # pretrained, random: a hub id or a local directory (random reads only its config); tiny: null.
     path: str | None = None
     arch: TinyArch | None = None  # tiny models only: the architecture to build
     freeze_vision: bool = False
@@ -248,6 +249,10 @@ class LossConfig:
     # precomputed: a directory of reference log-probs to use (null: cache_dir/reference/KEY, computed
     # before training when missing); it must have been computed for this model and data.
     reference_path: str | None = None
+    # Answer tokens per pass through the output layer, each chunk's logits recomputed in the backward pass
+    # instead of kept (launcher.model.logps): the whole logits (tokens x vocabulary, fp32) never exist. 0:
+    # transformers' own loss over the whole logits.
+    chunk_tokens: int = 1024
 
 
 def is_preference(name: Any) -> bool:

@@ -59,6 +59,8 @@ class Summary:
     partitioned_at_load: bool | None = None  # ZeRO-3 partitioned the weights while loading them
     method: str | None = None
     attn_implementation: str | None = None
+    # How the loss reads the output layer: "chunks of N answer tokens" (launcher.model.logps), or "whole logits".
+    loss_logits: str | None = None
     base_model: str | None = None  # the directory or hub id the weights were loaded from
     resumed_from_step: int | None = None
     resharded_from: dict[str, Any] | None = None  # launcher.job.reshard.Reshard.to_json()

@@ -330,8 +330,9 @@ def _check_packing(data: DataConfig) -> None:
 
 
 def check_cache_dir(cfg: Config) -> None:
-    """The built-in data set and tiny models are generated into cache_dir, which must be writable."""
-    if not (cfg.data.synthetic or str(cfg.model.source) == "tiny"):
+    """The built-in data set and the models built from code (tiny, random) are generated into cache_dir,
+    which must be writable."""
+    if not (cfg.data.synthetic or str(cfg.model.source) in ("tiny", "random")):
         return
     problem = directory_problem(Path(str(cfg.cache_dir)))
     if problem:
@@ -352,7 +353,8 @@ def check_records(cfg: Config, *, micro_batch: int, world_size: int, launching: 
     if cfg.data.streaming:  # nothing is read before training: the shard files are listed, once
         stream_files(str(cfg.data.path))
         return
-    if str(cfg.model.source) != "tiny" and not (launching and cfg.dist.launcher in ("local", "torchrun")):
+    built = str(cfg.model.source) in ("tiny", "random")  # its tokenizer is trained on the data's words
+    if not built and not (launching and cfg.dist.launcher in ("local", "torchrun")):
         return
     cache = Path(str(cfg.cache_dir)).expanduser().absolute()
     announce_indexing(cfg, cache)

@@ -9,8 +9,10 @@ attention kernel a job loads with.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
 
 from launcher.core.errors import LauncherError, one_line
+from launcher.model.logps import install_answer_logps
 
 
 def load_model_and_processor(
@@ -52,16 +55,36 @@ def load_model_and_processor(
     if attn_implementation is not None:
         model_kwargs["attn_implementation"] = attn_implementation
     try:
-        model = AutoModelForImageTextToText.from_pretrained(path_or_hub_id, dtype=torch_dtype, **model_kwargs)
+        if (random := random_build(path_or_hub_id)) is not None:
+            model = _random_model(config, random, torch_dtype, model_kwargs)
+        else:
+            model = AutoModelForImageTextToText.from_pretrained(path_or_hub_id, dtype=torch_dtype, **model_kwargs)
     except (OSError, SafetensorError) as error:
         # No weight files, a truncated or corrupt file, a download that failed.
         raise LauncherError(
             f"model.path={path_or_hub_id}: cannot load its weights ({one_line(error, limit=200)}); copy the complete "
             "model directory again, or save it with save_pretrained"
         ) from error
+    install_answer_logps(model)  # the losses' path that never builds the whole logits (launcher.model.logps)
     processor = _load_processor(path_or_hub_id, config)
     set_pixel_limits(processor, min_pixels=min_pixels, max_pixels=max_pixels)
     return model, processor
+
+
+def _random_model(config: Any, build: dict[str, Any], dtype: torch.dtype | None, kwargs: dict[str, Any]):
+    """A random build's model (launcher.model.tiny.build_random_model_dir): its architecture with weights
+    drawn from its seed, in `dtype` (default: the released checkpoint's, as from_pretrained gives), made
+    on `device_map`'s device when one is given (the GPU initialises 7B weights in a second, the CPU in a
+    minute). Under ZeRO-3 (HfDeepSpeedConfig alive) transformers makes them partitioned."""
+    if "quantization_config" in kwargs:
+        raise LauncherError(
+            "model.source=random builds full-precision weights: method=qlora needs a checkpoint to quantise; "
+            "use method=lora or method=full"
+        )
+    device = (kwargs.pop("device_map", None) or {}).get("")
+    with torch.random.fork_rng(devices=[]), torch.device(device) if device else contextlib.nullcontext():
+        torch.manual_seed(int(build["seed"]))
+        return AutoModelForImageTextToText.from_config(config, dtype=dtype or config.dtype, **kwargs)
 
 
 def without_video_processor(processor_class: type) -> type:
@@ -286,5 +309,14 @@ def is_tiny_build(path: Path) -> bool:
     return (path / TINY_BUILD_RECORD).is_file()
 
 
+def random_build(path_or_hub_id: str) -> dict[str, Any] | None:
+    """The build record of a random build (model.source=random: a real architecture without weights), or None."""
+    record = Path(path_or_hub_id).expanduser() / RANDOM_BUILD_RECORD
+    if not record.is_file():
+        return None
+    return json.loads(record.read_text())
+
+
 # Written last into a tiny build (launcher.model.tiny); its presence with the same arguments marks it complete.
 TINY_BUILD_RECORD = "tiny_build.json"
+RANDOM_BUILD_RECORD = "random_build.json"  # the same, for a random build of a real architecture

@@ -201,6 +201,11 @@ def check_method(cfg: Any, device_kind: str, *, launching: bool = True) -> None:
     method = cfg.method
     if launching and str(method.name) == "qlora" and (problem := qlora_problem(device_kind)):
         raise LauncherError(f"method=qlora cannot run here: {problem}; use method=lora (the same adapters)")
+    if launching and str(method.name) == "qlora" and str(cfg.model.source) == "random":
+        raise LauncherError(
+            "method=qlora with model.source=random: 4-bit loading quantises a checkpoint's weights, and a random "
+            "build has none; use method=lora (the same adapters) or a checkpoint (model.source=pretrained)"
+        )
 
 
 def check_adapter_targets(model: nn.Module, cfg: Any) -> None:

@@ -3,8 +3,11 @@ every record, and no 2-D attention mask; and the attention that runs record by r
 
 From position ids that restart, transformers' masking builds a block-diagonal causal mask (its
 packed-sequence path, on sdpa and eager alike), so no record attends to another. On sdpa the language
-model instead attends record by record (`use_packed_attention`: each record's span through the fused
-causal kernel), and no mask is built at all. Qwen2-VL takes 4 x B x S
+model instead attends record by record (`use_packed_attention`: on a CUDA device every record of the batch
+in one call of torch's varlen flash kernel, elsewhere each record's span through sdpa's fused causal
+kernel), and no mask is built at all. The vision tower needs nothing here: transformers' Qwen2-VL tower
+attends per image through its cu_seqlens (a varlen call under flash-attention, one sdpa call per image
+otherwise), LLaVA's CLIP tower takes images as a batch of their own. Qwen2-VL takes 4 x B x S
 position ids: the text positions (from which the mask is built) over its 3-D rotary index (temporal,
 height, width), which is computed here record by record, each from its own tokens and image grids, as
 the model computes it for a record alone: computed over the whole row, the rotary index of a record
@@ -32,7 +35,7 @@ def packed_inputs(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
     lengths, images = batch[RECORD_LENGTHS], batch[RECORD_IMAGES]
     rows, width = inputs["input_ids"].shape
     inputs[PACKED_SPANS] = lengths  # read by packed_sdpa_attention (use_packed_attention); others ignore it
-    if _text_attention(model) == PACKED_ATTENTION:
+    if _text_attention(model) in (PACKED_ATTENTION, PACKED_VARLEN):
         # It needs no mask: a 4-D one is passed as is, so transformers builds none (a row x length^2 build
         # per forward, ~5% of a tiny model's packed step here). An all-true view that allocates nothing.
         inputs["attention_mask"] = torch.ones((1, 1, 1, 1), dtype=torch.bool).expand(rows, 1, width, width)
@@ -108,14 +111,63 @@ def packed_sdpa_attention(
     return torch.cat(rows, dim=0), None
 
 
+# ----------------------------------------------------------------------------- one varlen kernel (CUDA)
+PACKED_VARLEN = "packed_varlen"  # every record of the batch in one call of torch's varlen flash kernel
+
+
+def _varlen_kernel() -> Any:
+    """torch.nn.attention.varlen.varlen_attn (torch 2.10 and later; flash attention, CUDA only), or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _varlen_runs(query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+    """Whether the flash kernel takes this call: CUDA, 16-bit, no attention dropout."""
+    return query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and not kwargs.get("dropout")
+
+
+def packed_varlen_attention(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any
+) -> tuple[torch.Tensor, None]:
+    """Every record (and each row's padding) of a packed batch as one sequence of a single varlen call:
+    one kernel launch per layer whatever the records, no mask, no work across records. Falls back to the
+    per-record sdpa where the kernel cannot run: fp32, attention dropout, a CPU tensor, an unpacked batch."""
+    spans = kwargs.get(PACKED_SPANS)
+    kernel = _varlen_kernel()
+    if spans is None or kernel is None or not _varlen_runs(query, kwargs):
+        return packed_sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+    rows, heads, width, dim = query.shape
+    lengths = [n for row in spans for n in [*row, width - sum(row)] if n]
+    bounds = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(query.device)
+    longest = max(lengths)
+
+    def flat(tensor: torch.Tensor) -> torch.Tensor:  # [rows, heads, width, dim] -> [rows x width, heads, dim]
+        return tensor.transpose(1, 2).reshape(rows * width, tensor.shape[1], dim)
+
+    out = kernel(
+        flat(query), flat(key), flat(value), bounds, bounds, longest, longest,
+        scale=kwargs.get("scaling"), window_size=(-1, 0), enable_gqa=key.shape[1] != heads,
+    )  # fmt: skip
+    return out.reshape(rows, width, heads, dim), None
+
+
 def use_packed_attention(model: nn.Module) -> str:
     """Make the language model attend record by record in packed batches (sdpa only: eager keeps the
-    block-diagonal mask, flash-attention its own varlen path); returns the implementation it runs."""
+    block-diagonal mask, flash-attention its own varlen path); returns the implementation it runs:
+    packed_varlen (one varlen flash call per layer) where torch has the kernel and the model is on a CUDA
+    device, else packed_sdpa (sdpa's fused causal kernel once per record)."""
     model = base_model(model)
     text = model.config.get_text_config()
     if text._attn_implementation != "sdpa":
         return str(text._attn_implementation)
-    AttentionInterface.register(PACKED_ATTENTION, packed_sdpa_attention)
-    AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)  # unpacked batches keep sdpa's masks
-    model.set_attn_implementation({"text_config": PACKED_ATTENTION})
-    return PACKED_ATTENTION
+    on_cuda = any(p.is_cuda for p in model.parameters())
+    name, function = PACKED_ATTENTION, packed_sdpa_attention
+    if on_cuda and _varlen_kernel() is not None:
+        name, function = PACKED_VARLEN, packed_varlen_attention
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, sdpa_mask)  # unpacked batches keep sdpa's masks
+    model.set_attn_implementation({"text_config": name})
+    return name

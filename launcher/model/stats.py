@@ -55,6 +55,7 @@ class ModelStats:
     load_bytes: int = 4  # bytes per parameter of the checkpoint as it is loaded into CPU memory
     checkpointed: tuple[str, ...] = ()  # components whose layers are checkpointed: language, vision
     method: str = "full"  # what trains: full, lora, qlora (adapters: `trainable` counts them)
+    loss_chunk: int = 0  # loss.chunk_tokens: answer tokens per pass through the output layer (0: whole logits)
 
     def persistent(self, threshold: int) -> int:
         """Parameters stage 3 keeps whole on every rank: those of at most `threshold` elements."""
@@ -186,6 +187,7 @@ def _stats(cfg: Config, config, model, counts: dict[str, int], freeze: dict[str,
         projector_width=2 * (vision_hidden * merge * merge + text.hidden),
         load_bytes=_dtype_bytes(getattr(config, "dtype", None)),
         method=str(cfg.method.name),
+        loss_chunk=int(cfg.loss.chunk_tokens),
         checkpointed=tuple(
             name
             for name, key in (("language", "gradient_checkpointing"), ("vision", "vision_gradient_checkpointing"))

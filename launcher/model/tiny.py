@@ -1,9 +1,16 @@
-"""Tiny vision-language models built from code: random init, a tokenizer trained on the data's words.
+"""Vision-language models built from code: random init, a tokenizer trained on the data's words.
 
-For CPU jobs and tests: a tiny LLaVA (CLIP-style vision tower, Llama-style language model) or Qwen2-VL,
-built once per (architecture, dimensions, seed, vocabulary) into cache_dir/models and reused. The build is
-saved with `save_pretrained`, so it loads through the same door as a real preset
+For CPU jobs and tests (model.source=tiny): a tiny LLaVA (CLIP-style vision tower, Llama-style language
+model) or Qwen2-VL, built once per (architecture, dimensions, seed, vocabulary) into cache_dir/models and
+reused. The build is saved with `save_pretrained`, so it loads through the same door as a real preset
 (launcher.model.loading) and nothing downstream knows it is tiny.
+
+For benches, the planner's checks and GPU rows at the shapes users train (model.source=random): a real
+preset's architecture (model.path's config: every width, head, key-value group, vocabulary and the
+vision tower, so the parameter count is the released checkpoint's) with random weights and a local
+tokenizer, without a download. The build directory holds the config, tokenizer and processor and no
+weights: the ranks initialise the weights from train.seed as they load it (from_config; under ZeRO-3
+partitioned as they are made). The tokenizer is small, the model's vocabulary keeps its real width.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from transformers import (
     LlavaForConditionalGeneration,
     LlavaProcessor,
     PreTrainedTokenizerFast,
+    Qwen2_5_VLProcessor,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
     Qwen2VLProcessor,
@@ -38,7 +46,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from launcher.config.schema import ModelConfig
 from launcher.core.errors import LauncherError
 from launcher.data.formats import record_texts
-from launcher.model.loading import TINY_BUILD_RECORD, ImagesOnlyQwen2VLProcessor
+from launcher.model.loading import TINY_BUILD_RECORD, ImagesOnlyQwen2VLProcessor, without_video_processor
 
 TINY_ARCHITECTURES = ("tiny_llava", "tiny_qwen2_vl")
 
@@ -101,12 +109,17 @@ _QWEN2_VL_SPECIAL_TOKENS = [
 
 def resolve_model_path(model: ModelConfig, seed: int, cache: Path, records: Iterable[dict[str, Any]]) -> str:
     """The hub id or directory a job loads (a local directory absolute: adapters and checkpoints name it as
-    their base); a tiny model is built (once, then cached) from the words of `records`, with weights
-    initialised from `seed` (train.seed)."""
+    their base); a tiny model, or a random one of model.path's architecture, is built (once, then cached)
+    from the words of `records`, with weights initialised from `seed` (train.seed)."""
     if str(model.source) == "pretrained":
         local = Path(str(model.path)).expanduser()
         return str(local.resolve()) if local.is_dir() else str(model.path)
     texts = sorted({text for record in records for text in record_texts(record)})
+    if str(model.source) == "random":
+        preset = str(model.path)
+        key = hashlib.sha256(json.dumps([preset, seed, texts]).encode()).hexdigest()[:12]
+        out = cache / "models" / f"{preset.strip('/').replace('/', '--')}-random-{key}"
+        return str(build_random_model_dir(preset, out, texts, seed=seed))
     dims = {
         "hidden_size": model.hidden_size,
         "num_layers": model.num_layers,
@@ -203,25 +216,25 @@ _SIZE_KEYS = (
 )
 
 
-def _read_marker(out_dir: Path) -> dict[str, Any] | None:
+def _read_marker(out_dir: Path, marker: str = _MARKER) -> dict[str, Any] | None:
     try:
-        return json.loads((out_dir / _MARKER).read_text())
+        return json.loads((out_dir / marker).read_text())
     except (OSError, ValueError):
         return None
 
 
-def _move_into_place(tmp_dir: Path, out_dir: Path, arguments: dict[str, Any]) -> None:
+def _move_into_place(tmp_dir: Path, out_dir: Path, arguments: dict[str, Any], marker: str = _MARKER) -> None:
     """Rename the finished build onto `out_dir`, replacing a stale or half-written one.
 
     Several ranks may build the same directory at once: whoever renames first wins and the others
     keep the winner's (identical) build.
     """
-    if out_dir.exists() and _read_marker(out_dir) != arguments:
+    if out_dir.exists() and _read_marker(out_dir, marker) != arguments:
         shutil.rmtree(out_dir, ignore_errors=True)
     try:
         os.rename(tmp_dir, out_dir)
     except OSError:
-        if _read_marker(out_dir) != arguments:
+        if _read_marker(out_dir, marker) != arguments:
             raise
 
 
@@ -420,3 +433,104 @@ def _set_generation_tokens(model: nn.Module, tokenizer: PreTrainedTokenizerFast)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
+
+
+# ----------------------------------------------------------------------------- real shapes, random weights
+# The config keys that name a token, per family, and the local tokenizer's token each takes.
+_QWEN_TOKEN_KEYS = {
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+    "vision_token_id": "<|image_pad|>",
+    "bos_token_id": None,
+    "eos_token_id": "<|im_end|>",
+    "pad_token_id": "<|endoftext|>",
+}
+_LLAVA_TOKEN_KEYS = {
+    "image_token_index": "<image>",
+    "bos_token_id": "<s>",
+    "eos_token_id": "</s>",
+    "pad_token_id": "<pad>",
+}
+# What the released Qwen2-VL processors resize an image to (preprocessor_config.json): 4 to 16,384 merged tokens.
+_QWEN_MIN_PIXELS, _QWEN_MAX_PIXELS = 56 * 56, 28 * 28 * 16384
+
+
+def build_random_model_dir(path_or_hub_id: str, out_dir: Path, vocabulary_texts: list[str], *, seed: int) -> Path:
+    """A directory that loads as `path_or_hub_id`'s architecture with random weights (initialised from
+    `seed` when loaded, launcher.model.loading) and a tokenizer trained on `vocabulary_texts`: config,
+    tokenizer and processor, no weights. Cached like a tiny build (the same arguments reuse it)."""
+    from launcher.model.loading import RANDOM_BUILD_RECORD, read_config
+
+    config = read_config(path_or_hub_id)
+    family = config.model_type
+    if family not in ("llava", "qwen2_vl", "qwen2_5_vl"):
+        raise LauncherError(
+            f"model.source=random: model.path={path_or_hub_id} is a {family} model; random builds cover the "
+            "llava, qwen2_vl and qwen2_5_vl families"
+        )
+    arguments = {
+        "from": path_or_hub_id,
+        "recipe_version": _RECIPE_VERSION,
+        "transformers": transformers.__version__,
+        "vocabulary_sha256": hashlib.sha256("\n".join(vocabulary_texts).encode()).hexdigest(),
+        "seed": seed,
+    }
+    out_dir = Path(out_dir)
+    if _read_marker(out_dir, RANDOM_BUILD_RECORD) == arguments:
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    tmp_dir.chmod(0o755)
+    try:
+        processor = _real_family_processor(config, vocabulary_texts)
+        tokenizer = processor.tokenizer
+        # The token ids name the local tokenizer's tokens; the vocabulary keeps its real width.
+        keys = _LLAVA_TOKEN_KEYS if family == "llava" else _QWEN_TOKEN_KEYS
+        text = config.get_text_config()
+        for key, token in keys.items():
+            value = None if token is None else tokenizer.convert_tokens_to_ids(token)
+            if key in config.to_dict():
+                setattr(config, key, value)
+            if text is not config and key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                setattr(text, key, value)
+        config.save_pretrained(tmp_dir)
+        processor.save_pretrained(tmp_dir)
+        (tmp_dir / RANDOM_BUILD_RECORD).write_text(json.dumps(arguments, indent=2) + "\n")
+        _move_into_place(tmp_dir, out_dir, arguments, RANDOM_BUILD_RECORD)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return out_dir
+
+
+def _real_family_processor(config: Any, vocabulary_texts: list[str]) -> Any:
+    """The processor of a real family's architecture (its released image settings) over a local tokenizer."""
+    vision = config.vision_config
+    if config.model_type == "llava":
+        bpe = _train_tokenizer(vocabulary_texts, _LLAVA_SPECIAL_TOKENS, ["USER:", "ASSISTANT:", "SYSTEM:"])
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=bpe, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+            extra_special_tokens={"image_token": "<image>"}, chat_template=_LLAVA_CHAT_TEMPLATE,
+        )  # fmt: skip
+        size = int(vision.image_size)
+        image_processor = CLIPImageProcessorPil(
+            size={"shortest_edge": size}, crop_size={"height": size, "width": size}, do_center_crop=True
+        )
+        return LlavaProcessor(
+            image_processor=image_processor, tokenizer=tokenizer, patch_size=int(vision.patch_size),
+            vision_feature_select_strategy=config.vision_feature_select_strategy, num_additional_image_tokens=1,
+            chat_template=_LLAVA_CHAT_TEMPLATE,
+        )  # fmt: skip
+    bpe = _train_tokenizer(vocabulary_texts, _QWEN2_VL_SPECIAL_TOKENS, ["user", "assistant", "system"])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, pad_token="<|endoftext|>", eos_token="<|im_end|>", chat_template=_QWEN2_VL_CHAT_TEMPLATE
+    )
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=_QWEN_MIN_PIXELS, max_pixels=_QWEN_MAX_PIXELS, patch_size=int(vision.patch_size),
+        temporal_patch_size=int(vision.temporal_patch_size), merge_size=int(vision.spatial_merge_size),
+    )  # fmt: skip
+    processor_class = Qwen2_5_VLProcessor if config.model_type == "qwen2_5_vl" else Qwen2VLProcessor
+    return without_video_processor(processor_class)(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=_QWEN2_VL_CHAT_TEMPLATE
+    )

@@ -207,7 +207,7 @@ def _optimizer_offload(
     return params, grads, offloaded, 0
 
 
-def activation_bytes(stats: ModelStats, layout: Layout, *, seq_len: int, images: int) -> int:
+def activation_bytes(stats: ModelStats, layout: Layout, *, seq_len: int, images: int, rows: int = 1) -> int:
     """Activations kept for the backward pass, per rank, for one micro batch.
 
     b = micro batch, s = language-model tokens per sample (text + image tokens), e = bytes per
@@ -218,7 +218,10 @@ def activation_bytes(stats: ModelStats, layout: Layout, *, seq_len: int, images:
       vision layer (CLIP / Qwen2-VL ViT: LayerNorm, attention, plain MLP): A_v = 12 h + 2 i (4 i if gated)
       projector: about 2 (h_vision m^2 + h) per image token (m: patch merge, 1 for LLaVA)
       logits: s V (2 e + 8) bytes: the logits, their fp32 copy for the loss, and the gradients of both
-    activations = b [e s (L A + 3 h) + e n_img v L_v A_v + projector + logits]
+    activations = rows b [e s (L A + 3 h) + e n_img v L_v A_v + projector + logits]
+    rows: 2 for a preference loss (each sample is a chosen and a rejected row), else 1.
+    With the chunked loss (loss.chunk_tokens = c > 0, launcher.model.logps) no logits are kept: one chunk's
+    (c V (2 e + 8) bytes, c at most the micro batch's tokens) exists at a time, for the whole micro batch.
     With gradient checkpointing (non-reentrant) a checkpointed stack keeps only each layer's input
     hidden state, and one layer's activations are recomputed at a time during backward: L A becomes
     L h + A for the language model (model.gradient_checkpointing), L_v A_v becomes L_v h_v + A_v for
@@ -244,8 +247,11 @@ def activation_bytes(stats: ModelStats, layout: Layout, *, seq_len: int, images:
         elements += images * stats.vision_tokens * kept
     if trains["vision"] or trains["projector"]:
         elements += images * stats.image_tokens * stats.projector_width
-    logits = seq_len * stats.vocab_size * (2 * e + 8)
-    return layout.micro_batch * (e * elements + logits)
+    logit_bytes = stats.vocab_size * (2 * e + 8)
+    batch = rows * layout.micro_batch
+    if stats.loss_chunk:
+        return batch * e * elements + min(stats.loss_chunk, batch * seq_len) * logit_bytes
+    return batch * (e * elements + seq_len * logit_bytes)
 
 
 def _kept_per_token(layers: int, per_layer: int, hidden: int, checkpointed: bool) -> int:
@@ -330,7 +336,7 @@ def estimate(
     persistent = stats.persistent(layout.persistence_threshold) if layout.stage == 3 else 0
     states = model_state_bytes(stats.total, stats.trainable, layout, persistent=persistent)
     step, buffers = step_and_buffer_bytes(stats, layout)
-    activations = activation_bytes(stats, layout, seq_len=seq_len, images=images) * (2 if pairs else 1)
+    activations = activation_bytes(stats, layout, seq_len=seq_len, images=images, rows=2 if pairs else 1)
     reference = reference_on_cpu = 0
     if live_reference:
         held = _ceil_div(stats.total, layout.world_size) + persistent if layout.stage == 3 else stats.total

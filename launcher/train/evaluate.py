@@ -13,8 +13,8 @@ from launcher.job.spec import Job
 from launcher.train.distributed import Rank, all_reduce_sum
 from launcher.train.engine import Engine
 from launcher.train.loaders import Data
-from launcher.train.preference import PairSums, Preference
-from launcher.train.step import answer_tokens, to_device
+from launcher.train.losses import Loss
+from launcher.train.step import to_device
 
 log = logging.getLogger("launcher")
 
@@ -31,10 +31,10 @@ def evaluate(
     engine: Engine,
     data: Data,
     rank: Rank,
+    loss: Loss,
     stop: Callable[[], bool] = lambda: False,
-    preference: Preference | None = None,
 ) -> tuple[dict[str, float], bool]:
-    """Held-out loss, the mean over every answer token of the held-out set as training averages a step
+    """Held-out loss, the mean over every answer token (or pair) of the held-out set as training averages a step
     (and exact-match accuracy when data.eval_accuracy), over all ranks; and whether some rank was asked to
     stop meanwhile (`stop`), agreed in the evaluation's one all-reduce, so that a stop signal that lands
     during an evaluation ends the run after this step instead of after the next one."""
@@ -43,16 +43,9 @@ def evaluate(
     ds, device = engine.engine, rank.device
     ds.eval()
     pause_for_test("eval", until=stop)  # the tests' stop signals land here (a no-op otherwise)
-    loss_sum, count = 0.0, 0.0
-    pairs = PairSums()
+    sums = loss.new_sums()
     for batch in data.eval_loader:
-        if preference is not None:
-            pairs.add(*preference.forward(ds, batch, "eval", lambda inputs: to_device(inputs, device, engine.dtype)))
-            continue
-        outputs = ds(**to_device(batch, device, engine.dtype))
-        answers = answer_tokens(batch)
-        loss_sum += float(outputs.loss) * answers
-        count += answers
+        loss.forward(ds, batch, "eval", lambda inputs: to_device(inputs, device, engine.dtype), sums)
     correct, total = 0.0, 0.0
     if data.accuracy_set is not None:
         correct, total = exact_match_accuracy(
@@ -62,12 +55,8 @@ def evaluate(
             max_new_tokens=int(job.config.data.max_new_tokens),
             synced_gpus=engine.zero_stage == 3 and rank.world_size > 1,
         )
-    total_loss, total_count, correct, total, stop_votes, *pair_sums = all_reduce_sum(
-        [loss_sum, count, correct, total, float(stop()), *pairs.as_list()], device
-    )
-    metrics = {"eval/loss": total_loss / max(total_count, 1.0)}
-    if preference is not None:
-        metrics = PairSums(*pair_sums).metrics("eval")
+    correct, total, stop_votes, *reduced = all_reduce_sum([correct, total, float(stop()), *sums.as_list()], device)
+    metrics = type(sums)(*reduced).metrics("eval")
     if data.accuracy_set is not None:
         metrics["eval/accuracy"] = correct / max(total, 1.0)
     ds.train()

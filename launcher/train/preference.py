@@ -1,8 +1,9 @@
 """Preference training (loss=dpo|ipo): the losses, the reference log-probs three ways, the metrics.
 
 A batch holds B pairs as 2 x B rows (launcher.data.pairs): their chosen answers, then their rejected
-ones. One forward pass gives each row's log-probability of its answer (the sum over its answer tokens);
-the loss compares the policy's with the reference model's:
+ones. One forward pass gives each row's log-probability of its answer (the sum over its answer tokens,
+launcher.model.logps: without the whole logits unless loss.chunk_tokens=0); the loss compares the
+policy's with the reference model's:
 
     h = (log p(chosen) - log ref(chosen)) - (log p(rejected) - log ref(rejected))
     dpo: -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)     (eps: loss.label_smoothing)
@@ -44,30 +45,20 @@ from launcher.core.errors import Interrupted, LauncherError, one_line
 from launcher.core.json_files import read_json_or_none, write_json_atomic
 from launcher.core.manifest import damage, fingerprint
 from launcher.core.signals import pause_for_test
-from launcher.data.length import IGNORE_INDEX
 from launcher.data.pairs import PAIR_INDEX
 from launcher.job.planning import cache_dir
 from launcher.job.spec import Job
 from launcher.train.distributed import Rank, all_reduce_sum, any_rank, barrier
+from launcher.train.losses import Loss, Sums, row_logps
 
 log = logging.getLogger("launcher")
 
-REFERENCE_VERSION = 1
+REFERENCE_VERSION = 2  # 2: the log-probs' path (loss.chunk_tokens) is part of the key
 CHUNK_PAIRS = 1024  # pairs per file of a precomputed reference: what a killed pass loses at most, per rank
 META_FILE = "meta.json"
 
 
 # ----------------------------------------------------------------------------- the losses
-def answer_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Each row's log-probability of its labelled tokens (the causal shift applied), in fp32: [rows]."""
-    logits, labels = logits[:, :-1].float(), labels[:, 1:]
-    labelled = labels != IGNORE_INDEX
-    tokens = labels.masked_fill(~labelled, 0).unsqueeze(-1)
-    # gather - logsumexp: the labelled tokens' log-softmax without a second vocabulary-wide tensor.
-    token_logps = torch.gather(logits, -1, tokens).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    return (token_logps * labelled).sum(-1)
-
-
 def pair_losses(
     loss: LossConfig, policy: torch.Tensor, reference: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -86,7 +77,7 @@ def pair_losses(
 
 
 @dataclass
-class PairSums:
+class PairSums(Sums):
     """What a step's (or an evaluation's) pairs add up to; summed over micro-batches and ranks."""
 
     loss: float = 0.0
@@ -102,9 +93,6 @@ class PairSums:
         self.correct += float((chosen > rejected).sum())
         self.pairs += len(losses)
 
-    def as_list(self) -> list[float]:
-        return [self.loss, self.chosen, self.rejected, self.correct, self.pairs]
-
     def metrics(self, prefix: str) -> dict[str, float]:
         """{prefix/loss, prefix/rewards_chosen, .../rewards_rejected, .../rewards_margin, .../rewards_accuracy}."""
         pairs = max(self.pairs, 1.0)
@@ -119,23 +107,41 @@ class PairSums:
 
 # ----------------------------------------------------------------------------- one batch
 @dataclass
-class Preference:
-    """What a preference step needs beside the policy: the loss, and where the reference comes from."""
+class PreferenceLoss(Loss):
+    """loss=dpo|ipo (launcher.train.losses' interface): a micro-batch's loss is the mean over its pairs."""
 
     loss: LossConfig
     reference: Reference
+    chunk: int = 0  # loss.chunk_tokens
+
+    @property
+    def name(self) -> str:
+        return str(self.loss.name)
+
+    def units(self, batch: dict[str, Any]) -> int:
+        return pair_count(batch)
+
+    def new_sums(self) -> PairSums:
+        return PairSums()
 
     def forward(
-        self, ds: Any, batch: dict[str, Any], split: str, to_device: Callable[[dict], dict]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The policy's pass over a batch of pairs: (each pair's loss, chosen rewards, rejected rewards)."""
+        self, model: Any, batch: dict[str, Any], split: str, to_device: Callable[[dict], dict], sums: PairSums
+    ) -> torch.Tensor:
+        """The policy's pass over a batch of pairs, against the reference's log-probs."""
         inputs, labels, pairs = model_inputs(batch)
         inputs = to_device(inputs)
         labels = labels.to(inputs["input_ids"].device)
-        policy = answer_logps(ds(**inputs).logits, labels).view(2, -1)
+        policy = row_logps(model, inputs, labels, self.chunk).view(2, -1)
         with torch.no_grad():
-            reference = self.reference.logps(ds, inputs, labels, pairs, split)
-        return pair_losses(self.loss, policy, reference.to(policy.device))
+            reference = self.reference.logps(model, inputs, labels, pairs, split)
+        losses, chosen, rejected = pair_losses(self.loss, policy, reference.to(policy.device))
+        sums.add(losses, chosen, rejected)
+        return losses.mean()
+
+
+def pair_count(batch: dict[str, Any]) -> int:
+    """The preference pairs of a batch (launcher.data.pairs): half its rows."""
+    return int(batch["input_ids"].shape[0]) // 2
 
 
 def model_inputs(batch: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
@@ -148,6 +154,7 @@ class Reference:
     """The reference's log-probs of a batch's answers: [2, B] (chosen, rejected), fp32."""
 
     name = "reference"
+    chunk = 0  # loss.chunk_tokens, as the policy's are computed
 
     def logps(self, ds: Any, inputs: dict, labels: torch.Tensor, pairs: torch.Tensor, split: str) -> torch.Tensor:
         raise NotImplementedError
@@ -173,7 +180,7 @@ class AdapterReference(Reference):
 
     def logps(self, ds: Any, inputs: dict, labels: torch.Tensor, pairs: torch.Tensor, split: str) -> torch.Tensor:
         with ds.module.disable_adapter():
-            return answer_logps(ds(**inputs).logits, labels).view(2, -1)
+            return row_logps(ds, inputs, labels, self.chunk).view(2, -1)
 
 
 class LiveReference(Reference):
@@ -187,7 +194,7 @@ class LiveReference(Reference):
         self.params_held = sum(getattr(p, "ds_tensor", p).numel() for p in engine.module.parameters())
 
     def logps(self, ds: Any, inputs: dict, labels: torch.Tensor, pairs: torch.Tensor, split: str) -> torch.Tensor:
-        return answer_logps(self.engine(**inputs).logits, labels).view(2, -1)
+        return row_logps(self.engine, inputs, labels, self.chunk).view(2, -1)
 
 
 # ----------------------------------------------------------------------------- the reference of a job
@@ -206,10 +213,13 @@ def build_reference(
     """The reference loss.reference names (the job's checks refused the choices its method cannot give)."""
     choice = str(job.config.loss.reference)
     if choice == "adapter":
-        return AdapterReference()
-    if choice == "live":
-        return build_live_reference(job, rank, ds_config)
-    return precomputed_reference(job, rank, ds, dtype, sets, to_device, may_compute=may_compute, stop=stop)
+        reference: Reference = AdapterReference()
+    elif choice == "live":
+        reference = build_live_reference(job, rank, ds_config)
+    else:
+        reference = precomputed_reference(job, rank, ds, dtype, sets, to_device, may_compute=may_compute, stop=stop)
+    reference.chunk = int(job.config.loss.chunk_tokens)  # computed as the policy's log-probs are
+    return reference
 
 
 # ----------------------------------------------------------------------------- a live copy
@@ -266,6 +276,8 @@ def reference_key(job: Job, datasets: dict[str, str | None], dtype: torch.dtype)
         "files": model_files(str(job.model_path)),
         "method": "qlora" if str(job.config.method.name) == "qlora" else "base",
         "dtype": str(dtype),
+        # Chunks through the output layer, or the whole logits (0): equal to ~1e-6, not bitwise.
+        "chunk_tokens": int(job.config.loss.chunk_tokens),
         "data": datasets,
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
@@ -458,7 +470,8 @@ def _compute_chunk(
         batch = next(iterator, None) or batch
         inputs, labels, _ = model_inputs(batch)
         inputs = to_device(inputs)
-        logps = answer_logps(ds(**inputs).logits, labels.to(inputs["input_ids"].device)).view(2, -1)
+        labels = labels.to(inputs["input_ids"].device)
+        logps = row_logps(ds, inputs, labels, int(job.config.loss.chunk_tokens)).view(2, -1)
         if chunk is not None and sum(len(f) for f in found) < len(span):
             found.append(logps.T.double().cpu().numpy())
         pause_for_test("reference")  # the tests' stop signals land here, mid-chunk (a no-op otherwise)

@@ -1,9 +1,9 @@
 """One optimizer step of one rank, and what it measures: loss, learning rate, gradient norm, throughput.
 
-    accum batches -> their answer tokens, summed over ranks (one all-reduce; none on one rank)
-    accum x (batch -> engine(batch).loss, weighted by its share of the answer tokens -> engine.backward
-             -> engine.step)
-    one all-reduce: the loss and tokens summed over ranks, and whether any rank was asked to stop
+    accum batches -> their answer tokens (pairs), summed over ranks (one all-reduce; none on one rank)
+    accum x (batch -> the loss's forward (launcher.train.losses), weighted by its share of the answer
+             tokens -> engine.backward -> engine.step)
+    one all-reduce: the loss's sums and the tokens over ranks, and whether any rank was asked to stop
 
 The loss is the mean over every answer token of the step, on every rank: a micro-batch's mean is
 weighted by its answer tokens, so how records are split into micro-batches, rows or ranks changes no
@@ -28,7 +28,6 @@ import torch
 from launcher.core.checkpoints import find_resume_tag
 from launcher.core.errors import TrainingFailed
 from launcher.core.rundir import RunDir
-from launcher.data.length import IGNORE_INDEX
 from launcher.data.packing import REAL_TOKENS, RECORD_LENGTHS
 from launcher.model.flops import FlopModel
 from launcher.model.packing import packed_inputs
@@ -36,8 +35,8 @@ from launcher.train.distributed import Rank, all_reduce_sum
 from launcher.train.engine import Engine, unpartitioned_grad_norm
 from launcher.train.faults import Fault
 from launcher.train.loaders import Data
+from launcher.train.losses import Loss
 from launcher.train.memory_meter import MemoryMeter
-from launcher.train.preference import PairSums, Preference
 
 
 @dataclass
@@ -135,7 +134,7 @@ class StepState:
     last_loss: float = math.nan
     nonfinite_in_a_row: int = 0
     stop_agreed: bool = False  # some rank was asked to stop: all stop after this step
-    preference: Preference | None = None  # a preference loss (loss=dpo|ipo); None: the answers' cross-entropy
+    loss: Loss | None = None  # the objective (launcher.train.losses; None until the trainer sets it)
 
 
 def train_step(engine: Engine, data: Data, rank: Rank, state: StepState, step: int, *, stop: bool) -> dict[str, float]:
@@ -144,54 +143,44 @@ def train_step(engine: Engine, data: Data, rank: Rank, state: StepState, step: i
     `stop`: this rank was asked to stop; the ranks agree on it in the step's one all-reduce."""
     ds, device = engine.engine, rank.device
     step_start = time.perf_counter()
-    wait = loss_sum = 0.0
+    wait = 0.0
     work = Work()
     grad_norm = math.nan
     applied_rates = engine.applied_rates()  # what this step's update applies (the scheduler steps after it)
     fetch_start = time.perf_counter()
     batches = [next(data.batches) for _ in range(engine.accum)]
     wait += time.perf_counter() - fetch_start
-    preference = state.preference
-    # What the step's loss is the mean over: answer tokens, or preference pairs.
-    units = [pair_count(batch) if preference else answer_tokens(batch) for batch in batches]
+    loss = state.loss
+    units = [loss.units(batch) for batch in batches]  # what the step's loss is the mean over: answer tokens, pairs
     (step_units,) = all_reduce_sum([float(sum(units))], device)
-    pairs = PairSums()
+    sums = loss.new_sums()
     for batch, micro_units in zip(batches, units, strict=True):
         work.add(batch, state.flops)
         if RECORD_LENGTHS in batch:  # packed rows: positions that restart at every record, no attention mask
             batch = packed_inputs(ds.module, batch)
-        if preference is not None:
-            losses, chosen, rejected = preference.forward(
-                ds, batch, "train", lambda inputs: to_device(inputs, device, engine.dtype)
-            )
-            pairs.add(losses, chosen, rejected)
-            micro_loss = losses.mean()  # the mean over its pairs
-        else:
-            micro_loss = ds(**to_device(batch, device, engine.dtype)).loss  # the mean over its answer tokens
+        # The mean over the micro-batch's units (its answer tokens, or its pairs).
+        micro_loss = loss.forward(ds, batch, "train", lambda inputs: to_device(inputs, device, engine.dtype), sums)
         # DeepSpeed divides by accum (and averages gradients over ranks): weighted so the sum over the
         # step's micro-batches and ranks is the mean over all its answer tokens (or pairs).
         weight = micro_units * engine.accum * rank.world_size / max(step_units, 1.0)
         ds.backward(micro_loss * weight if weight != 1.0 else micro_loss)
-        loss_sum += float(micro_loss.detach()) * micro_units
         if engine.grad_norm.computed_here and ds.is_gradient_accumulation_boundary():
             grad_norm = unpartitioned_grad_norm(ds)
         ds.step()
     state.fault.at(step)
     counts = [work.tokens, work.padded, work.image_tokens, work.flops, work.samples]
-    reduced = all_reduce_sum([loss_sum, float(stop), *counts, *pairs.as_list()], device)
-    loss_sum, stop_votes = reduced[:2]
-    work = Work(*reduced[2 : 2 + len(counts)])
-    pairs = PairSums(*reduced[2 + len(counts) :])
-    state.stop_agreed = stop_votes > 0
-    step_loss = loss_sum / max(step_units, 1.0)
+    reduced = all_reduce_sum([float(stop), *counts, *sums.as_list()], device)
+    state.stop_agreed = reduced[0] > 0
+    work = Work(*reduced[1 : 1 + len(counts)])
+    loss_metrics = type(sums)(*reduced[1 + len(counts) :]).metrics("train")
+    step_loss = loss_metrics["train/loss"]
     check_finite(state, step, step_loss, fp16=engine.dtype == torch.float16)
     step_time = time.perf_counter() - step_start
     samples = work.samples  # records (micro x accum x ranks, unless rows are packed)
     state.throughput.add(step, step_time, samples, work)
     state.last_loss = step_loss
     metrics = {
-        "train/loss": step_loss,
-        **({key: value for key, value in pairs.metrics("train").items() if key != "train/loss"} if preference else {}),
+        **loss_metrics,
         **applied_rates,
         "train/grad_norm": engine.grad_norm.of_step(ds, grad_norm),
         "perf/samples_per_sec": samples / step_time,
@@ -228,17 +217,6 @@ def check_finite(state: StepState, step: int, loss: float, *, fp16: bool) -> Non
         f"loss is {loss} at step {step}: {fixes} or check the data"
         + (f"; checkpoint {saved}, saved before it, resumes with resume={state.run_dir.path}" if saved else "")
     )
-
-
-def answer_tokens(batch: dict[str, Any]) -> int:
-    """The tokens a batch's loss averages over: labels not ignored (-100), after the shift by one that
-    the causal-LM loss applies (the first position predicts nothing)."""
-    return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
-
-
-def pair_count(batch: dict[str, Any]) -> int:
-    """The preference pairs of a batch (launcher.data.pairs): half its rows."""
-    return int(batch["input_ids"].shape[0]) // 2
 
 
 def loss_scale(optimizer: Any) -> float:

@@ -47,9 +47,10 @@ from launcher.train.engine import Engine, build_engine, release
 from launcher.train.evaluate import evaluate, evaluation_due
 from launcher.train.faults import Fault
 from launcher.train.loaders import Data, build_data, check_mixture_position, check_same_dataset, read_records
+from launcher.train.losses import AnswerCrossEntropy, Loss, logps_installed
 from launcher.train.memory_meter import PEAK, MemoryMeter
 from launcher.train.peak import device_peak
-from launcher.train.preference import LiveReference, PrecomputedReference, Preference, build_reference
+from launcher.train.preference import LiveReference, PrecomputedReference, PreferenceLoss, build_reference
 from launcher.train.record import Recorder, final_table
 from launcher.train.step import CpuClock, StepState, Throughput, Work, to_device, train_step
 from launcher.train.watchdog import StepWatchdog
@@ -135,7 +136,7 @@ def setup(
     marker = checkpoint_marker(job, engine, rank, summary, stage)
     start_step, rng = resume(job, run_dir, rank, engine, data, summary)
     # A preference loss's reference: computed now, before the first step, when precomputed and missing.
-    preference = build_preference(job, rank, engine, data, summary, may_compute=start_step == 0, stop=stop.wanted)
+    loss = build_loss(job, rank, engine, data, summary, may_compute=start_step == 0, stop=stop.wanted)
     wandb = None
     if rank.is_main and job.config.logger.enabled:
         # A resume continues the W&B run whose id the first start stored in the run directory.
@@ -159,7 +160,7 @@ def setup(
         max_nonfinite=int(job.config.train.max_nonfinite_steps),
         flops=flop_model(engine),
         peak_flops=peak.flops,
-        preference=preference,
+        loss=loss,
     )
     dist = job.config.dist
     watchdog = StepWatchdog(
@@ -175,12 +176,17 @@ def setup(
     )  # fmt: skip
 
 
-def build_preference(
+def build_loss(
     job: Job, rank: Rank, engine: Engine, data: Data, summary: Summary, *, may_compute: bool, stop: Any
-) -> Preference | None:
-    """A preference loss (loss=dpo|ipo) and its reference (launcher.train.preference); None for loss=sft."""
+) -> Loss:
+    """The objective (launcher.train.losses): the answers' cross-entropy, or a preference loss (loss=dpo|ipo)
+    and its reference (launcher.train.preference)."""
+    chunk = int(job.config.loss.chunk_tokens)
+    if not logps_installed(engine.engine):  # a model layout without the row log-probs mode
+        chunk = 0
+    summary.loss_logits = f"chunks of {chunk} answer tokens" if chunk else "whole logits"
     if not job.config.data.pairs:
-        return None
+        return AnswerCrossEntropy(chunk=chunk)
     reference = build_reference(
         job, rank, engine.engine, engine.dtype, engine.ds_config or job.ds_config, data.pair_sets,
         lambda inputs: to_device(inputs, rank.device, engine.dtype), may_compute=may_compute, stop=stop,
@@ -192,7 +198,7 @@ def build_preference(
         summary.reference.update(path=str(reference.path), computed=reference.seconds is not None, s=reference.seconds)
     if rank.is_main:
         log.info("loss %s (beta %g), reference: %s", job.config.loss.name, job.config.loss.beta, reference.name)
-    return Preference(job.config.loss, reference)
+    return PreferenceLoss(job.config.loss, reference, chunk=chunk)
 
 
 def engine_built(job: Job, engine: Engine, stage: Stage | None, summary: Summary) -> None:
@@ -265,7 +271,7 @@ def loop(run: Run, track: _Track) -> Summary:
         track.in_step = None
         if evaluation_due(job, step):
             run.eval_metrics, stop_voted = evaluate(
-                job, run.engine, run.data, run.rank, stop=run.stop.wanted, preference=run.state.preference
+                job, run.engine, run.data, run.rank, run.state.loss, stop=run.stop.wanted
             )
             run.state.stop_agreed |= stop_voted
             metrics.update(run.eval_metrics)

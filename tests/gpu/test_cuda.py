@@ -115,3 +115,73 @@ def test_the_cuda_memory_cap_makes_an_over_budget_run_a_real_out_of_memory(run_t
     args = ["model.hidden_size=1024", "model.num_layers=4", *SHORT, f"hydra.run.dir={tmp_path / 'capped'}"]
     result = run_train(*args, env={CUDA_MEMORY_CAP_ENV: "0.05"})  # 50 MiB: below this model's states
     assert result.returncode == 1 and "out of memory" in result.stderr.lower(), result.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------- the kernels of issue 41
+def _tiny_on_cuda(arch: str, where, **sizes):
+    from launcher.model.loading import load_model_and_processor
+    from tests.unit.model.tiny_sizes import build
+
+    model, processor = load_model_and_processor(str(build(arch, where, **sizes)), attn_implementation="sdpa")
+    return model.to("cuda", torch.bfloat16).train(), processor
+
+
+def _loss_and_grads(model, batch, chunk: int):
+    from launcher.train.losses import AnswerCrossEntropy, TokenSums
+    from launcher.train.step import to_device
+
+    model.zero_grad()
+    device = next(model.parameters()).device
+    to_model = lambda inputs: to_device(inputs, device, torch.bfloat16)  # noqa: E731
+    loss = AnswerCrossEntropy(chunk=chunk).forward(model, dict(batch), "train", to_model, TokenSums())
+    loss.backward()
+    return float(loss.detach()), torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+
+
+@cuda_only
+@pytest.mark.parametrize("arch", ["tiny_llava", "tiny_qwen2_vl"])
+def test_varlen_packed_attention_gives_the_per_record_sdpas_loss_and_gradients(tmp_path, arch):
+    """packed_varlen (one torch varlen flash call per layer) against packed_sdpa (one sdpa call per record):
+    equal to bf16's precision."""
+    from launcher.data.cache import RecordEncoder
+    from launcher.data.packing import PackedCollator
+    from launcher.model import packing
+    from tests.unit.model.test_logps import RECORDS
+
+    if packing._varlen_kernel() is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    model, processor = _tiny_on_cuda(arch, tmp_path / arch)
+    assert packing.use_packed_attention(model) == packing.PACKED_VARLEN
+    tensors = [RecordEncoder(processor, None, "pixels")(record)[0] for record in RECORDS]
+    batch = packing.packed_inputs(model, PackedCollator(processor)([[{"tensors": t} for t in tensors]]))
+    varlen = _loss_and_grads(model, batch, 1024)
+    model.set_attn_implementation({"text_config": packing.PACKED_ATTENTION})
+    per_record = _loss_and_grads(model, batch, 1024)
+    assert varlen[0] == pytest.approx(per_record[0], rel=2e-2)
+    cosine = torch.nn.functional.cosine_similarity(varlen[1], per_record[1], dim=0)
+    assert float(cosine) > 0.99
+
+
+@cuda_only
+def test_the_chunked_loss_needs_a_fraction_of_the_whole_logits_memory_at_a_real_vocabulary(tmp_path):
+    """A Qwen2-VL of 64 wide with a tokenizer of a few hundred words, its output layer widened to Qwen2-VL's
+    151,936 words, on 4 rows of ~200 tokens: the chunked loss's peak over forward + backward is below the
+    whole logits' and its loss equal to bf16's precision."""
+    from launcher.data.cache import RecordEncoder
+    from launcher.data.length import pad_rows
+    from tests.unit.model.test_logps import RECORDS
+
+    model, processor = _tiny_on_cuda("tiny_qwen2_vl", tmp_path / "wide")
+    model.resize_token_embeddings(151_936, mean_resizing=False)
+    model.to("cuda", torch.bfloat16)
+    tensors = [RecordEncoder(processor, None, "pixels")(record)[0] for record in RECORDS] * 2
+    batch = pad_rows(tensors, processor.tokenizer.pad_token_id)
+    peaks, results = {}, {}
+    for chunk in (0, 256):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        results[chunk] = _loss_and_grads(model, batch, chunk)
+        torch.cuda.synchronize()
+        peaks[chunk] = torch.cuda.max_memory_allocated()
+    assert results[256][0] == pytest.approx(results[0][0], rel=2e-2)
+    assert peaks[256] < peaks[0], peaks

@@ -44,7 +44,8 @@ def test_every_row_names_a_key_of_the_schema():
     for row in (*RANGES, *TRAIN_RANGES, *TUNE_RANGES):
         value_of(config, row.key)  # an AttributeError here: a row for a key the schema does not have
     assert value_of(config, "train.lr") == config.train.lr and value_of(config, "dist") is config.dist
-    assert {rule.group for rule in CHECKS} <= {"model", "data", "dist", "train", "logger", "plan", "method", "tune"}
+    groups = {"model", "data", "dist", "train", "logger", "plan", "method", "tune", "loss"}
+    assert {rule.group for rule in CHECKS} <= groups
 
 
 # ----------------------------------------------------------------------------- the training knobs

@@ -118,3 +118,59 @@ def test_packed_sdpa_leaves_an_unpacked_padded_batch_as_sdpa_computes_it(model_d
         use_packed_attention(model)
         after = model(**batch).logits
     assert torch.allclose(before, after, atol=1e-6)
+
+
+VARLEN_CALLS = []
+
+
+def reference_varlen(
+    query, key, value, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
+):
+    """What torch's varlen flash kernel computes (it runs on CUDA only), written plainly: each sequence of
+    cu_q's bounds causal on its own, [tokens, heads, dim] in and out."""
+    assert window_size == (-1, 0) and cu_q is cu_k and max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max())
+    VARLEN_CALLS.append(cu_q.tolist())
+    pieces = []
+    for start, end in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True):
+        q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa
+        )
+        pieces.append(out.transpose(0, 1))
+    return torch.cat(pieces)
+
+
+@pytest.mark.parametrize("arch", ["tiny_llava", "tiny_qwen2_vl"])
+def test_the_varlen_path_lays_records_out_as_the_kernel_reads_them(model_dirs, arch, monkeypatch):
+    """packed_varlen's flattening, sequence bounds (each record and each row's padding) and reshaping, with a
+    plain stand-in for the CUDA-only kernel: the same logits as the per-record sdpa path. The kernel itself
+    runs in the GPU suite (tests/gpu/test_cuda.py)."""
+    from launcher.model import packing
+
+    model, processor = load_model_and_processor(str(model_dirs[arch]), attn_implementation="sdpa")
+    model.eval()
+    encode = RecordEncoder(processor, None, "pixels")
+    tensors = [encode(record)[0] for record in RECORDS]
+    batch = PackedCollator(processor)([[{"tensors": tensors[i]} for i in row] for row in ([3, 0], [2, 4, 1])])
+    assert use_packed_attention(model) == PACKED_ATTENTION  # a CPU: the per-record path
+    inputs = packed_inputs(model, batch)
+    with torch.no_grad():
+        per_record = model(**inputs).logits
+        monkeypatch.setattr(packing, "_varlen_kernel", lambda: reference_varlen)
+        monkeypatch.setattr(packing, "_varlen_runs", lambda query, kwargs: True)
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        AttentionInterface.register(packing.PACKED_VARLEN, packing.packed_varlen_attention)
+        AttentionMaskInterface.register(packing.PACKED_VARLEN, sdpa_mask)
+        model.set_attn_implementation({"text_config": packing.PACKED_VARLEN})
+        VARLEN_CALLS.clear()
+        varlen = model(**packed_inputs(model, batch)).logits
+    torch.testing.assert_close(varlen, per_record, rtol=1e-5, atol=1e-5)
+    width = batch["input_ids"].shape[1]
+    bounds = [0]
+    for row in batch[RECORD_LENGTHS]:  # each record, then the row's padding, as sequences of their own
+        for n in [*row, width - sum(row)]:
+            if n:
+                bounds.append(bounds[-1] + n)
+    assert VARLEN_CALLS and all(call == bounds for call in VARLEN_CALLS)  # one call per layer

@@ -124,6 +124,20 @@ def test_the_planner_activation_term_follows_checkpointing():
     )
 
 
+def test_the_chunked_loss_plans_one_chunk_of_logits_for_the_micro_batch():
+    """loss.chunk_tokens = c: c x V x (2 e + 8) bytes for the whole micro batch (never more than its tokens),
+    instead of every token's; a preference loss doubles the rows, not the chunk."""
+    layout = Layout(stage=0, dtype="bf16", micro_batch=3)
+    whole = activation_bytes(hand_made_stats(), layout, seq_len=7, images=1)
+    kept = whole - 3 * 7 * 10 * 12  # without the logits
+    for chunk, tokens in ((4, 4), (1024, 3 * 7)):
+        stats = dataclasses.replace(hand_made_stats(), loss_chunk=chunk)
+        assert activation_bytes(stats, layout, seq_len=7, images=1) == kept + tokens * 10 * 12
+    stats = dataclasses.replace(hand_made_stats(), loss_chunk=4)
+    assert activation_bytes(stats, layout, seq_len=7, images=1, rows=2) == 2 * kept + 4 * 10 * 12
+    assert model_stats.model_stats(compose_typed(["loss.chunk_tokens=256"])).loss_chunk == 256
+
+
 def test_the_sequence_planned_per_sample():
     """plan.seq_len when given; else data.max_length (a batch is padded to its longest sample); else the
     text tokens (32 for tiny models, 512 otherwise) plus each image's tokens, up to data.max_length."""

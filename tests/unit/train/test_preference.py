@@ -12,7 +12,8 @@ import torch
 from launcher.config.schema import LossConfig, LossName
 from launcher.data.length import IGNORE_INDEX
 from launcher.data.pairs import PAIR_INDEX, PairCollator, PairedRows, last_answer_only, whole_pairs
-from launcher.train.preference import PairSums, answer_logps, pair_losses
+from launcher.model.logps import answer_logps
+from launcher.train.preference import PairSums, pair_losses
 
 I = IGNORE_INDEX  # noqa: E741 (a label grid reads best with one letter for "ignored")
 
