@@ -177,15 +177,21 @@ def build_tiny_model_dir(
         "image_size": image_size,
         "patch_size": patch_size,
     }
-    if _read_marker(out_dir) == arguments:
-        return out_dir
+    return _build_once(out_dir, arguments, _MARKER, lambda where: _write_build(where, vocabulary_texts, arguments))
 
+
+def _build_once(out_dir: Path, arguments: dict[str, Any], marker: str, write: Any) -> Path:
+    """`out_dir` as `write(directory)` builds it for `arguments`: reused when its `marker` records the same
+    arguments; else written into a temporary directory beside it (`write` writes the marker last) and
+    renamed into place, so a crash never leaves a directory that looks complete."""
+    if _read_marker(out_dir, marker) == arguments:
+        return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     tmp_dir.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory
     try:
-        _write_build(tmp_dir, vocabulary_texts, arguments)
-        _move_into_place(tmp_dir, out_dir, arguments)
+        write(tmp_dir)
+        _move_into_place(tmp_dir, out_dir, arguments, marker)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return out_dir
@@ -477,9 +483,24 @@ def build_random_model_dir(path_or_hub_id: str, out_dir: Path, vocabulary_texts:
         "vocabulary_sha256": hashlib.sha256("\n".join(vocabulary_texts).encode()).hexdigest(),
         "seed": seed,
     }
-    out_dir = Path(out_dir)
-    if _read_marker(out_dir, RANDOM_BUILD_RECORD) == arguments:
-        return out_dir
+
+    def write(where: Path) -> None:
+        processor = _real_family_processor(config, vocabulary_texts)
+        tokenizer = processor.tokenizer
+        # The token ids name the local tokenizer's tokens; the vocabulary keeps its real width.
+        keys = _LLAVA_TOKEN_KEYS if family == "llava" else _QWEN_TOKEN_KEYS
+        text = config.get_text_config()
+        for key, token in keys.items():
+            value = None if token is None else tokenizer.convert_tokens_to_ids(token)
+            if key in config.to_dict():
+                setattr(config, key, value)
+            if text is not config and key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                setattr(text, key, value)
+        config.save_pretrained(where)
+        processor.save_pretrained(where)
+        (where / RANDOM_BUILD_RECORD).write_text(json.dumps(arguments, indent=2) + "\n")
+
+    return _build_once(Path(out_dir), arguments, RANDOM_BUILD_RECORD, write)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     tmp_dir.chmod(0o755)
