@@ -36,6 +36,7 @@ class Summary:
     mfu: float | None = None  # model FLOPs utilisation: of the devices' peak (peak_flops_source)
     peak_flops_source: str | None = None  # the peak MFU is measured against, and where the figure comes from
     peak_memory_bytes: int | None = None
+    planned_memory_bytes: int | None = None  # the planner's figure for the job (launcher.plan), beside the peak
     world_size: int | None = None
     zero_stage: int | None = None
     precision: str | None = None
@@ -82,6 +83,7 @@ class Summary:
         precision: str | None = None,
         overrides: list[str] | tuple[str, ...] = (),
         choices: dict[str, Any] | None = None,
+        planned_memory_bytes: int | None = None,
     ) -> Summary:
         """The summary of a job that has not produced anything yet: its shape and its labels.
 
@@ -98,6 +100,7 @@ class Summary:
             model=labels.get("model"),
             overrides=list(overrides),
             choices=labels,
+            planned_memory_bytes=planned_memory_bytes,
         )
 
     def failed(self, error: str, *, wall_s: float, status: str = "failed") -> None:

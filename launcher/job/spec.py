@@ -123,6 +123,9 @@ class Job:
     model_path: str | None = None  # the hub id or directory the ranks load (a tiny model built); None: unresolved
     launch_id: str | None = None  # which start of a SLURM job this is (launcher.launch.slurm.launch_id)
     resume: Resume | None = None
+    # The planner's bytes per rank for this job (launcher.plan.memory.planned_bytes); None: not planned
+    # (preflight=off, or the estimate failed). summary.json shows it beside the measured peak.
+    planned_memory_bytes: int | None = None
 
     # ------------------------------------------------------------------ facts read from the dict
     @property
@@ -180,6 +183,7 @@ class Job:
             precision=self.precision,
             overrides=[credentials.redact_override(str(item)) for item in self.hydra.overrides],
             choices=self.labels,
+            planned_memory_bytes=self.planned_memory_bytes,
         )
 
     def describe(self) -> str:
@@ -218,6 +222,7 @@ class Job:
             "model_path": self.model_path,
             "launch_id": self.launch_id,
             "resume": None if self.resume is None else self.resume.to_json(),
+            "planned_memory_bytes": self.planned_memory_bytes,
             # Derived, for people and tools reading the file (not read back).
             "precision": self.precision,
             "stages": [stage.to_json() for stage in self.stages],
@@ -245,6 +250,7 @@ class Job:
             model_path=data.get("model_path"),
             launch_id=data.get("launch_id"),
             resume=None if resume is None else Resume.from_json(resume),
+            planned_memory_bytes=data.get("planned_memory_bytes"),
         )
 
 

@@ -48,7 +48,7 @@ from launcher.job.spec import HydraJob, Job, read_job
 from launcher.launch import slurm
 from launcher.launch.ranks import start_ranks
 from launcher.model.stats import model_dir
-from launcher.plan.report import preflight
+from launcher.plan.report import preflight_plan
 from launcher.train import universal
 
 # Exit status of a job stopped by SIGTERM/SIGUSR1 after saving its checkpoint: 128 + SIGTERM, as a
@@ -220,7 +220,7 @@ class _Attempt:
         check_inputs(config, job, launching=not config.dry_run)
         job = job.replace(model_path=model_dir(config))  # a tiny model is built here, once, for every rank
         pause_for_test("plan")  # the tests' stop signals land here (a no-op otherwise)
-        _check_memory(config, job, self.say)
+        job = job.replace(planned_memory_bytes=_check_memory(config, job, self.say))
         job = self._resume(config, job, cfg, hydra)
         if self.done is not None:  # a finished run: nothing to plan, and its files stay as they are
             return job, {}
@@ -313,21 +313,23 @@ def _write_hydra_files(run_dir: RunDir, cfg: DictConfig, hydra: HydraJob, *, nod
     )
 
 
-def _check_memory(config: Config, job: Job, say: Callable[[str], None]) -> None:
-    """The planner's estimate for this job, before any process starts (`preflight=warn|error|off`)."""
+def _check_memory(config: Config, job: Job, say: Callable[[str], None]) -> int | None:
+    """The planner's estimate for this job, before any process starts (`preflight=warn|error|off`): its
+    bytes per rank (None when off or not estimated)."""
     if str(config.preflight) == "off":
-        return
+        return None
     try:
-        problem = preflight(config, job)
+        problem, planned = preflight_plan(config, job)
     except LauncherError as err:
         if str(config.preflight) == "error" or isinstance(err, Interrupted):  # a stop signal is no planner error
             raise
         say(f"warning: memory plan skipped ({one_line(err)})")
-        return
+        return None
     if problem and str(config.preflight) == "error":
         raise LauncherError(f"{problem} (preflight=error; preflight=warn only warns)")
     if problem:
         say(f"warning: {problem}")
+    return planned
 
 
 def _convert_for_reshard(run_dir: RunDir, plan: Any, config: Config, say: Callable[[str], None]) -> None:

@@ -367,6 +367,16 @@ def estimate(
     )
 
 
+def planned_bytes(est: Estimate, kind: str) -> int:
+    """The bytes per rank a run is planned to need at its peak, the figure its measured peak (summary.json's
+    peak_memory_bytes) is compared with: the device's total; on a CPU the device is the host, so what is
+    kept in CPU memory (offloaded states, or loading the checkpoint) counts too, the rank's share."""
+    total = est.device_total
+    if kind == "cpu":
+        total += est.cpu_per_node // est.layout.ranks_per_node
+    return total
+
+
 def preference_terms(loss: Any) -> dict[str, bool]:
     """estimate()'s arguments for a job's loss config: pairs (loss=dpo|ipo) and a live reference copy."""
     pairs = str(loss.name) in PREFERENCE_LOSSES

@@ -39,6 +39,7 @@ from launcher.plan.memory import (
     estimate,
     fits,
     layout_from_ds_config,
+    planned_bytes,
     preference_terms,
     recommend,
 )
@@ -162,21 +163,28 @@ def preflight(cfg: Config, spec: Job) -> str | None:
     precision, to name the fastest one expected to fit). Problems training would also hit (an
     unreadable model.path) raise LauncherError.
     """
+    return preflight_plan(cfg, spec)[0]
+
+
+def preflight_plan(cfg: Config, spec: Job) -> tuple[str | None, int]:
+    """preflight()'s line, and the planner's bytes per rank for the job (`planned_bytes`): what the run
+    records beside its measured peak (summary.json's planned_memory_bytes)."""
     stats = model_stats(cfg, path=spec.model_path)  # the job's model, already resolved (None: resolved here)
     target = target_device(cfg.plan)
     seq_len, images = sequence(cfg, stats)
     layout = layout_from_ds_config(spec.ds_config, world_size=spec.world_size, ranks_per_node=spec.ranks_per_node)
     est = estimate(stats, layout, seq_len=seq_len, images=images, **preference_terms(cfg.loss))
+    planned = planned_bytes(est, target.kind)
     ok, why = fits(est, target)
     if ok:
-        return None
+        return None, planned
     rows = plan_rows(cfg, spec.hydra.overrides, stats, target, precisions=(layout.dtype,))
     best = recommend(rows, target.kind)
     if best is not None:
         advice = f"expected to fit: deepspeed={best.preset} precision={best.dtype}"
     else:
         advice = "no preset is expected to fit: lower train.micro_batch_size or data.max_length, or add ranks"
-    return (
+    line = (
         f"memory plan: {layout.describe()} {why} (model states {est.states.on_device / GiB:.1f}"
         + (f", reference copy {est.reference / GiB:.1f}" if est.reference else "")
         + f", activations "
@@ -185,6 +193,7 @@ def preflight(cfg: Config, spec: Job) -> str | None:
         f"{target.device_bytes / GiB:.1f} ({target.source}, plan.headroom={target.headroom:g}); {advice}; "
         "python -m launcher.plan with the same overrides prints every preset"
     )
+    return line, planned
 
 
 # ================================================================================ the report

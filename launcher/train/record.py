@@ -103,7 +103,7 @@ def final_table(summary: Summary, run_dir: RunDir, wandb_line: str | None) -> st
         loss += f" ({held_out})"
     rows = [
         ("loss", loss),
-        ("speed", f"{figure(summary.samples_per_sec, 1)} samples/s, peak memory {_mib(summary.peak_memory_bytes)}"),
+        ("speed", f"{figure(summary.samples_per_sec, 1)} samples/s, peak memory {_peak(summary)}"),
         *_useful(summary),
         ("run dir", f"{run_dir.path} (train.log, summary.json, metrics.jsonl)"),
     ]
@@ -127,4 +127,11 @@ def _useful(summary: Summary) -> list[tuple[str, str]]:
 
 
 def _mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:.0f} MiB"
+    return "-" if n is None else f"{n / 2**20:,.0f} MiB"
+
+
+def _peak(summary: Summary) -> str:
+    """The measured peak, and the planner's figure for the job where it made one."""
+    if summary.planned_memory_bytes is None:
+        return _mib(summary.peak_memory_bytes)
+    return f"{_mib(summary.peak_memory_bytes)} (planned {_mib(summary.planned_memory_bytes)})"

@@ -54,7 +54,7 @@ from launcher.job.checks import check_data
 from launcher.job.planning import plan_job
 from launcher.job.spec import HydraJob, Job
 from launcher.model.stats import heaviest_stage, model_stats, pack_length, sequence
-from launcher.plan.memory import PRESETS, Target, estimate, layout_from_ds_config, preference_terms
+from launcher.plan.memory import PRESETS, Target, estimate, layout_from_ds_config, planned_bytes, preference_terms
 from launcher.plan.report import target_device
 from launcher.tracking.naming import has_credentials, resolve_mode
 from launcher.tracking.wandb_run import WandbRun
@@ -79,15 +79,13 @@ def planned_memory(candidate_cfg: Config, job: Job, target: Target) -> tuple[int
     seq_len, images = sequence(candidate_cfg, stats)
     layout = layout_from_ds_config(job.ds_config, world_size=job.world_size, ranks_per_node=job.ranks_per_node)
     est = estimate(stats, layout, seq_len=seq_len, images=images, **preference_terms(candidate_cfg.loss))
-    states = est.states.on_device
-    if target.kind == "cpu":
-        states += est.cpu_per_node // layout.ranks_per_node
+    total = planned_bytes(est, target.kind)
     components = {
-        "model states": states + est.reference,
+        "model states": total - est.activations - est.step - est.buffers,  # with what a CPU keeps for them
         "activations": est.activations,
         "step+buffers": est.step + est.buffers,
     }
-    return sum(components.values()), components
+    return total, components
 
 
 def tune(overrides: Sequence[str], *, echo: Callable[[str], None] = print) -> Tuning:

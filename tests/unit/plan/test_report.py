@@ -341,6 +341,17 @@ def test_preflight_of_the_built_in_job_is_silent():
     assert plan.preflight(*_planned([], Device("cpu", bf16=True, fp16=False))) is None
 
 
+def test_a_run_records_the_planners_figure_for_its_job_beside_the_measured_peak(quick_run):
+    from launcher.job.spec import read_job
+
+    job = read_job(quick_run.run_dir)
+    summary = quick_run.summary()
+    line, planned = plan.preflight_plan(job.config, job)
+    assert line is None and planned > 2**20
+    assert summary["planned_memory_bytes"] == job.planned_memory_bytes == planned
+    assert summary["peak_memory_bytes"] > 0
+
+
 @pytest.mark.slow  # two preflights that do not fit
 def test_the_launcher_warns_or_refuses_with_the_preflight_line(tmp_path):
     """run_job runs the preflight before anything starts: preflight=warn says it, preflight=error refuses."""
