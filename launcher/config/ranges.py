@@ -140,6 +140,13 @@ TRAIN_RANGES: tuple[Range, ...] = (
         )
     ),
     Range("train.min_lr_ratio", lambda v: 0 <= v <= 1, "must lie in [0, 1]"),
+    Range(
+        "train.profile_steps",
+        lambda v: len(v) == 2 and 1 <= int(v[0]) <= int(v[1]),
+        "must be [FIRST,LAST], the steps to profile (1 <= FIRST <= LAST, e.g. [3,4]: after the first, slower "
+        "steps), or null",
+        optional=True,
+    ),
 )
 # The tuner's own knobs (python -m launcher.tune).
 TUNE_RANGES: tuple[Range, ...] = (

@@ -162,6 +162,7 @@ class TrainConfig:
     keep_checkpoints: int = MISSING
     max_nonfinite_steps: int = MISSING
     log_every: int = MISSING
+    profile_steps: list[int] | None = MISSING  # [FIRST, LAST]: rank 0 profiles those steps (launcher.train.profile)
     # NAME -> {lr, lr_scale, weight_decay, match}: parameter groups (launcher.model.groups); untyped here,
     # because OmegaConf cannot add a typed entry from a dotted override, and checked by launcher.config.ranges.
     groups: dict[str, Any] = MISSING

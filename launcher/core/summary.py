@@ -65,6 +65,7 @@ class Summary:
     base_model: str | None = None  # the directory or hub id the weights were loaded from
     resumed_from_step: int | None = None
     resharded_from: dict[str, Any] | None = None  # launcher.job.reshard.Reshard.to_json()
+    profile: dict[str, float] | None = None  # train.profile_steps: each part's share of those steps' wall time
     memory: dict[str, int] | None = None  # the memory meter's last reading, without its "mem/" prefix
     records_skipped: int | None = None  # bad records skipped (data.on_bad_record=skip)
     records_too_long: int | None = None  # over data.max_length, skipped

@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from launcher.data.length import IGNORE_INDEX
+from launcher.train.profile import scope
 
 ANSWER_LABELS = "answer_labels"  # the keyword that switches a model's forward to row log-probs
 ANSWER_CHUNK = "answer_chunk"  # tokens per chunk through the output layer
@@ -58,6 +59,11 @@ def chunked_answer_logps(head: nn.Module, hidden: torch.Tensor, labels: torch.Te
 
     `hidden`: the last hidden states [rows, length, width]; `labels`: [rows, length], IGNORE_INDEX where
     nothing is predicted. Only positions whose next token is labelled reach `head`, `chunk` at a time."""
+    with scope("loss"):  # a profile's part (launcher.train.profile)
+        return _chunked(head, hidden, labels, chunk)
+
+
+def _chunked(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
     targets = labels[:, 1:]
     labelled = targets != IGNORE_INDEX
     rows = labelled.nonzero()[:, 0]  # the row of each labelled position, in order

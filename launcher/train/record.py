@@ -131,7 +131,9 @@ def _mib(n: int | None) -> str:
 
 
 def _peak(summary: Summary) -> str:
-    """The measured peak, and the planner's figure for the job where it made one."""
-    if summary.planned_memory_bytes is None:
+    """The measured peak, and the planner's figure for the job where it made one and the two compare: on a
+    GPU (a CPU's peak is the process's RSS, Python and its libraries included)."""
+    on_gpu = "peak_allocated_bytes" in (summary.memory or {})
+    if summary.planned_memory_bytes is None or not on_gpu:
         return _mib(summary.peak_memory_bytes)
     return f"{_mib(summary.peak_memory_bytes)} (planned {_mib(summary.planned_memory_bytes)})"

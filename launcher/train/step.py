@@ -37,6 +37,7 @@ from launcher.train.faults import Fault
 from launcher.train.loaders import Data
 from launcher.train.losses import Loss
 from launcher.train.memory_meter import MemoryMeter
+from launcher.train.profile import scope
 
 
 @dataclass
@@ -148,7 +149,8 @@ def train_step(engine: Engine, data: Data, rank: Rank, state: StepState, step: i
     grad_norm = math.nan
     applied_rates = engine.applied_rates()  # what this step's update applies (the scheduler steps after it)
     fetch_start = time.perf_counter()
-    batches = [next(data.batches) for _ in range(engine.accum)]
+    with scope("data"):
+        batches = [next(data.batches) for _ in range(engine.accum)]
     wait += time.perf_counter() - fetch_start
     loss = state.loss
     units = [loss.units(batch) for batch in batches]  # what the step's loss is the mean over: answer tokens, pairs
@@ -159,14 +161,17 @@ def train_step(engine: Engine, data: Data, rank: Rank, state: StepState, step: i
         if RECORD_LENGTHS in batch:  # packed rows: positions that restart at every record, no attention mask
             batch = packed_inputs(ds.module, batch)
         # The mean over the micro-batch's units (its answer tokens, or its pairs).
-        micro_loss = loss.forward(ds, batch, "train", lambda inputs: to_device(inputs, device, engine.dtype), sums)
+        with scope("forward"):
+            micro_loss = loss.forward(ds, batch, "train", lambda inputs: to_device(inputs, device, engine.dtype), sums)
         # DeepSpeed divides by accum (and averages gradients over ranks): weighted so the sum over the
         # step's micro-batches and ranks is the mean over all its answer tokens (or pairs).
         weight = micro_units * engine.accum * rank.world_size / max(step_units, 1.0)
-        ds.backward(micro_loss * weight if weight != 1.0 else micro_loss)
+        with scope("backward"):
+            ds.backward(micro_loss * weight if weight != 1.0 else micro_loss)
         if engine.grad_norm.computed_here and ds.is_gradient_accumulation_boundary():
             grad_norm = unpartitioned_grad_norm(ds)
-        ds.step()
+        with scope("optimizer"):
+            ds.step()
     state.fault.at(step)
     counts = [work.tokens, work.padded, work.image_tokens, work.flops, work.samples]
     reduced = all_reduce_sum([float(stop), *counts, *sums.as_list()], device)

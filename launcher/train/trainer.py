@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from launcher.config.schema import OBJECTIVES, plain
 from launcher.config.stages import Stage, stage_at
 from launcher.core import credentials, logs
@@ -38,6 +40,7 @@ from launcher.core.signals import pause_for_test
 from launcher.core.summary import Summary
 from launcher.job.reshard import resumed_batches
 from launcher.job.spec import Job
+from launcher.model.components import base_model, model_components
 from launcher.model.flops import FlopModel
 from launcher.model.packing import use_packed_attention
 from launcher.tracking.wandb_run import read_run_id, start_for_job
@@ -51,6 +54,7 @@ from launcher.train.losses import AnswerCrossEntropy, Loss, logps_installed
 from launcher.train.memory_meter import PEAK, MemoryMeter
 from launcher.train.peak import device_peak
 from launcher.train.preference import LiveReference, PrecomputedReference, PreferenceLoss, build_reference
+from launcher.train.profile import StepProfiler
 from launcher.train.record import Recorder, final_table
 from launcher.train.step import CpuClock, StepState, Throughput, Work, to_device, train_step
 from launcher.train.watchdog import StepWatchdog
@@ -77,6 +81,7 @@ class Run:
     start_step: int = 0
     eval_metrics: dict[str, float] = field(default_factory=dict)
     stage: Stage | None = None  # the stage of train.stages training now
+    profiler: StepProfiler | None = None  # train.profile_steps
 
 
 @dataclass
@@ -170,9 +175,13 @@ def setup(
     if rng is not None:  # last: nothing in setup may draw from the restored generators
         checkpoint.set_rng_state(rng)
     engine.engine.train()
+    profiler = StepProfiler(
+        job.config.train.profile_steps, run_dir.path, is_main=rank.is_main, device=rank.device,
+        vision=vision_modules(engine),
+    )  # fmt: skip
     return Run(
         job, run_dir, rank, summary, engine, data, stop, recorder, state, watchdog, marker, started, start_step,
-        stage=stage,
+        stage=stage, profiler=profiler,
     )  # fmt: skip
 
 
@@ -266,7 +275,8 @@ def loop(run: Run, track: _Track) -> Summary:
         if run.stage is not None and step > run.stage.last_step:
             next_stage(run, step)
         track.in_step = step
-        with run.watchdog.step(step):
+        profiling = run.profiler.around(step) if run.profiler is not None else contextlib.nullcontext()
+        with run.watchdog.step(step), profiling:
             metrics = train_step(run.engine, run.data, run.rank, run.state, step, stop=run.stop.wanted())
         track.in_step = None
         if evaluation_due(job, step):
@@ -287,6 +297,15 @@ def loop(run: Run, track: _Track) -> Summary:
         if save_every and step % save_every == 0 and step < job.max_steps:
             save(run, step)
     return finish(run, stopped_at)
+
+
+def vision_modules(engine: Engine) -> list[nn.Module]:
+    """The vision tower, which a profile's scope covers (none for a layout launcher.model.components does
+    not know)."""
+    try:
+        return model_components(base_model(engine.engine.module))["vision"]
+    except (LauncherError, AttributeError):
+        return []
 
 
 def flop_model(engine: Engine) -> FlopModel | None:
@@ -395,6 +414,10 @@ def finish(run: Run, stopped_at: int | None) -> Summary:
     """The last checkpoint, the final model (unless stopped early), and the summary."""
     run.recorder.progress.close()
     steps_done = stopped_at or run.job.max_steps
+    if run.profiler is not None:
+        run.profiler.close(steps_done)  # a run stopped inside the profiled steps writes what it recorded
+        if run.profiler.result is not None:
+            run.summary.profile = run.profiler.result.shares()
     if steps_done > run.start_step:  # a resume of a finished run has nothing new to save
         save(run, steps_done)
     if stopped_at is None:

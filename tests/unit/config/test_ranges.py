@@ -69,6 +69,9 @@ def test_every_row_names_a_key_of_the_schema():
         ("train.seed=-1", r"train.seed=-1 must lie in \[0, 2\*\*32\)"),
         ("train.keep_checkpoints=0", "train.keep_checkpoints=0 must be positive"),
         ("train.max_nonfinite_steps=-1", "train.max_nonfinite_steps=-1 must be at least 0"),
+        ("train.profile_steps=[3]", r"train.profile_steps=\[3\] must be \[FIRST,LAST\], the steps to profile"),
+        ("train.profile_steps=[4,2]", r"train.profile_steps=\[4, 2\] must be \[FIRST,LAST\].*1 <= FIRST <= LAST"),
+        ("train.profile_steps=[0,1]", r"train.profile_steps=\[0, 1\] must be \[FIRST,LAST\]"),
     ],
 )
 def test_bad_training_values_are_refused(override, message):
@@ -118,6 +121,7 @@ def test_a_length_in_epochs_alone_is_in_range():
         (["plan.headroom=1"], "plan.headroom=1.0 must be a fraction in [0, 1)"),
         (["plan.gpu_memory_gb=0"], "plan.gpu_memory_gb=0.0 must be a positive number of GiB"),
         (["plan.seq_len=0"], "plan.seq_len=0 must be positive"),
+        (["loss.chunk_tokens=-1"], "loss.chunk_tokens=-1 must be"),
     ],
 )
 def test_bad_values_of_the_job_are_refused_naming_the_key(overrides, message):

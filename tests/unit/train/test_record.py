@@ -116,7 +116,9 @@ def test_the_final_table_says_how_the_run_ended_and_where_its_files_are(tmp_path
     stopped = final_table(Summary(status="preempted", steps=3, wall_s=1.0), run_dir, None)
     assert "run summary: preempted, 3 steps in 1.0 s" in stopped and "model" not in stopped and "W&B" not in stopped
     assert "  loss     -\n" in stopped and "peak memory -" in stopped and "work" not in stopped
-    summary.planned_memory_bytes = 1234 * 2**20  # the planner's figure stands beside the measured peak
+    summary.planned_memory_bytes = 1234 * 2**20  # the planner's figure stands beside a GPU's measured peak
+    assert "peak memory 300 MiB\n" in final_table(summary, run_dir, None)  # a CPU's: its RSS, Python included
+    summary.memory = {"peak_allocated_bytes": 280 * 2**20}
     assert "  speed    10.2 samples/s, peak memory 300 MiB (planned 1,234 MiB)" in final_table(summary, run_dir, None)
 
 

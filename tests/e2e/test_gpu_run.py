@@ -1,0 +1,58 @@
+"""bench/gpu_run.py in its CPU mode: the prepared GPU run of issue 41 (a plain PyTorch loop on transformers'
+model, then the launcher's rows through launcher.tune), rehearsed end to end on shrunk configs of the same
+two families, so that on a lent GPU only the sizes and the device differ."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+pytestmark = pytest.mark.slow
+
+# What bench/results/gpu.json's rows carry (issue 41), at least.
+ROW_KEYS = {
+    "runner", "model", "real_shape", "batching", "pack_length", "micro_batch", "zero", "checkpointing", "method",
+    "real_tokens_per_s", "mfu", "peak_mib", "planned_mib", "data_wait_frac", "device", "commit", "date",
+}  # fmt: skip
+
+
+def test_the_rehearsal_writes_a_plain_loop_row_then_the_launchers_rows_with_their_plans(isolated_env, tmp_path):
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "bench/gpu_run.py", "--cpu", "--out-dir", str(out), "--work-dir", str(tmp_path / "work"),
+         "--phases", "plain", "batching", "profile", "lora7b", "--records", "16", "--commit", "abc123"],
+        cwd=ROOT, env=isolated_env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert {path.name for path in out.iterdir()} == {"gpu.json", "gpu.md", "profile.md", "run.log"}
+    rows = json.loads((out / "gpu.json").read_text())
+    assert all(set(row) >= ROW_KEYS for row in rows)
+    assert all(row["commit"] == "abc123" and row["real_shape"] is False for row in rows)
+    # The plain loop comes first, with no launcher in it: its rows have no plan and no data loading.
+    plain = [row for row in rows if row["runner"] == "plain-loop"]
+    assert rows[: len(plain)] == plain and [row["seq_len"] for row in plain] == [1024, 2048]
+    assert all(row["status"] == "ok" and row["planned_mib"] is None and row["data_wait_frac"] is None for row in plain)
+    launcher = rows[len(plain) :]
+    assert [(row["phase"], row["batching"], row["method"]) for row in launcher] == [
+        ("batching", "pack", "full"), ("batching", "pad", "full"), ("lora7b", "pack", "lora")
+    ]  # fmt: skip
+    for row in rows:
+        assert row["real_tokens_per_s"] > 0 and 0 < row["mfu"] < 1 and row["peak_mib"] > 0, row
+    for row in launcher:
+        assert row["status"] == "fits" and row["zero"] == 0 and row["planned_mib"] > 0, row
+        assert 0 <= row["data_wait_frac"] < 1, row
+    assert [row["pack_length"] for row in launcher] == [2048, None, 2048]
+    table = (out / "gpu.md").read_text()
+    assert "| real tokens/s | x plain best |" in table
+    ratios = [line.split(" | ")[9] for line in table.splitlines() if line.startswith("| plain-loop")]
+    assert "1.00" in ratios  # each row is a ratio to the plain loop's best
+    # The fastest launcher row once more, its step 3 profiled: where its step went, by part.
+    fastest = max(launcher[:2], key=lambda row: row["real_tokens_per_s"])
+    profile = (out / "profile.md").read_text()
+    assert f"The fastest launcher row: {fastest['candidate']} (batching)" in profile
+    assert "# Where steps 3-3 went (rank 0)" in profile and "| matmuls |" in profile and "| idle |" in profile
