@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterable
@@ -244,6 +245,24 @@ def _move_into_place(tmp_dir: Path, out_dir: Path, arguments: dict[str, Any], ma
             raise
 
 
+# Longer runs of non-space characters are cut to this before the tokenizer trains: no such word becomes one
+# token of a 2,048-merge vocabulary anyway, and the trainer's cost grows with a word's length times its
+# merges, in Rust, where no stop signal is seen (issue 42: one 200,000-character answer took 26 s).
+MAX_WORD_CHARS = 64
+_LONG_WORD = re.compile(rf"\S{{{MAX_WORD_CHARS + 1},}}")
+
+
+def tokenizer_corpus(vocabulary_texts: list[str], extra_words: list[str]) -> list[str]:
+    """What the tokenizer trains on: every text and word, each at the start of a turn and after a space (so
+    that "red" and " red" both become single tokens whichever template puts them where), words capped."""
+    texts = [
+        _LONG_WORD.sub(lambda m: m.group(0)[:MAX_WORD_CHARS], text.replace("<image>", " ")) for text in vocabulary_texts
+    ]
+    texts += extra_words
+    words = sorted({word for text in texts for word in text.split()})
+    return [form for piece in texts + words for form in (piece, " " + piece)]
+
+
 def _train_tokenizer(vocabulary_texts: list[str], special_tokens: list[str], extra_words: list[str]) -> Tokenizer:
     """Byte-level BPE on the texts: frequent words become single tokens, anything else still encodes."""
     tokenizer = Tokenizer(models.BPE())
@@ -257,12 +276,7 @@ def _train_tokenizer(vocabulary_texts: list[str], special_tokens: list[str], ext
         initial_alphabet=alphabet,
         show_progress=False,
     )
-    texts = [text.replace("<image>", " ") for text in vocabulary_texts] + extra_words
-    words = sorted({word for text in texts for word in text.split()})
-    # Every text and word both at the start of a turn and after a space, so that "red" and " red"
-    # both become single tokens whichever template puts them where.
-    corpus = [form for piece in texts + words for form in (piece, " " + piece)]
-    tokenizer.train_from_iterator(corpus * 2, trainer)
+    tokenizer.train_from_iterator(tokenizer_corpus(vocabulary_texts, extra_words) * 2, trainer)
     return tokenizer
 
 

@@ -25,7 +25,7 @@ def test_the_rehearsal_writes_a_plain_loop_row_then_the_launchers_rows_with_thei
     out = tmp_path / "out"
     done = subprocess.run(
         [sys.executable, "bench/gpu_run.py", "--cpu", "--out-dir", str(out), "--work-dir", str(tmp_path / "work"),
-         "--phases", "plain", "batching", "profile", "lora7b", "--records", "16", "--commit", "abc123"],
+         "--phases", "plain", "packing", "padding", "profile", "lora7b", "--records", "16", "--commit", "abc123"],
         cwd=ROOT, env=isolated_env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -39,7 +39,7 @@ def test_the_rehearsal_writes_a_plain_loop_row_then_the_launchers_rows_with_thei
     assert all(row["status"] == "ok" and row["planned_mib"] is None and row["data_wait_frac"] is None for row in plain)
     launcher = rows[len(plain) :]
     assert [(row["phase"], row["batching"], row["method"]) for row in launcher] == [
-        ("batching", "pack", "full"), ("batching", "pad", "full"), ("lora7b", "pack", "lora")
+        ("packing", "pack", "full"), ("padding", "pad", "full"), ("lora7b", "pack", "lora")
     ]  # fmt: skip
     for row in rows:
         assert row["real_tokens_per_s"] > 0 and 0 < row["mfu"] < 1 and row["peak_mib"] > 0, row
@@ -54,5 +54,5 @@ def test_the_rehearsal_writes_a_plain_loop_row_then_the_launchers_rows_with_thei
     # The fastest launcher row once more, its step 3 profiled: where its step went, by part.
     fastest = max(launcher[:2], key=lambda row: row["real_tokens_per_s"])
     profile = (out / "profile.md").read_text()
-    assert f"The fastest launcher row: {fastest['candidate']} (batching)" in profile
+    assert f"The fastest launcher row: {fastest['candidate']} ({fastest['phase']})" in profile
     assert "# Where steps 3-3 went (rank 0)" in profile and "| matmuls |" in profile and "| idle |" in profile

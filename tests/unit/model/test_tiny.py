@@ -103,3 +103,14 @@ def test_resolve_model_path_of_a_pretrained_model(tmp_path, monkeypatch):
     assert resolve_model_path(local, 0, Path("unused"), []) == str(tmp_path / "models" / "mine")
     hub = compose_typed(["model=llava_1_5_7b"]).model
     assert resolve_model_path(hub, 0, Path("unused"), []) == hub.path == "llava-hf/llava-1.5-7b-hf"
+
+
+def test_a_very_long_word_is_cut_before_the_tokenizer_trains_on_it():
+    """One record's 200,000-character answer cost the tokenizer's trainer 26 s, in Rust, deaf to SIGTERM
+    (issue 42): runs of non-space characters reach it cut to MAX_WORD_CHARS, the rest of the text as it is."""
+    from launcher.model.tiny import MAX_WORD_CHARS, tokenizer_corpus
+
+    corpus = tokenizer_corpus(["<image>\nwhat colour?\n\nred", "x" * 200_000 + " and more"], ["USER:"])
+    assert max(len(word) for piece in corpus for word in piece.split()) == MAX_WORD_CHARS
+    assert "x" * MAX_WORD_CHARS + " and more" in corpus and " red" in corpus and " USER:" in corpus
+    assert " \nwhat colour?\n\nred" in corpus  # whitespace, newlines included, stays as the texts have it
