@@ -386,22 +386,27 @@ def _compute(
         log.info("reference: computing the log-probs of %d pairs once%s, into %s", needed, kept, path)
     micro = job.micro_batch
     rounds = -(-len(todo) // rank.world_size)
+
+    def stopping() -> None:
+        """Before each forward pass (every rank runs as many, so the ranks agree in one collective): a chunk
+        takes minutes on a large model, and a stop must not wait for it (the chunk under way is dropped)."""
+        if any_rank(stop(), device=rank.device):
+            raise Interrupted(
+                f"stopped by a signal while computing the reference log-probs {path}: the chunks written are "
+                "kept, and the next start computes only the rest"
+            )
+
     computed: dict[tuple[str, int], np.ndarray] = {}
     was_training = ds.training
     ds.eval()
     try:
         for number in range(rounds):
-            if any_rank(stop(), device=rank.device):
-                raise Interrupted(
-                    f"stopped by a signal while computing the reference log-probs {path}: the chunks written are "
-                    "kept, and the next start computes only the rest"
-                )
             mine = number * rank.world_size + rank.rank
             chunk = todo[mine] if mine < len(todo) else None
             # Every rank runs as many forward passes as the round's longest chunk needs.
             round_chunks = todo[number * rank.world_size :][: rank.world_size]
             passes = max(-(-len(_span(len(sets[s].dataset), n)) // micro) for s, n in round_chunks)
-            table = _compute_chunk(job, rank, ds, sets, to_device, chunk, passes)
+            table = _compute_chunk(job, rank, ds, sets, to_device, chunk, passes, stopping)
             if chunk is not None:
                 _write_chunk(_chunk_file(path, *chunk), table)
                 computed[chunk] = table
@@ -451,9 +456,11 @@ def _compute_chunk(
     to_device: Callable[[dict], dict],
     chunk: tuple[str, int] | None,
     passes: int,
+    stopping: Callable[[], None],
 ) -> np.ndarray:
     """One chunk's [pairs, 2] log-probs (`chunk` None: this rank has none this round; an empty table), in
-    `passes` forward passes: a rank with fewer batches repeats its last one, its result dropped."""
+    `passes` forward passes: a rank with fewer batches repeats its last one, its result dropped. `stopping()`
+    runs before each pass and raises when the ranks agree to stop."""
     split, number = chunk if chunk is not None else next((s, 0) for s in sets)
     pair_set = sets[split]
     span = _span(len(pair_set.dataset), number)
@@ -466,15 +473,21 @@ def _compute_chunk(
     found: list[np.ndarray] = []
     batch = None
     iterator = iter(loader)
-    for _ in range(passes):
-        batch = next(iterator, None) or batch
-        inputs, labels, _ = model_inputs(batch)
-        inputs = to_device(inputs)
-        labels = labels.to(inputs["input_ids"].device)
-        logps = row_logps(ds, inputs, labels, int(job.config.loss.chunk_tokens)).view(2, -1)
-        if chunk is not None and sum(len(f) for f in found) < len(span):
-            found.append(logps.T.double().cpu().numpy())
-        pause_for_test("reference")  # the tests' stop signals land here, mid-chunk (a no-op otherwise)
+    try:
+        for _ in range(passes):
+            stopping()
+            batch = next(iterator, None) or batch
+            inputs, labels, _ = model_inputs(batch)
+            inputs = to_device(inputs)
+            labels = labels.to(inputs["input_ids"].device)
+            logps = row_logps(ds, inputs, labels, int(job.config.loss.chunk_tokens)).view(2, -1)
+            if chunk is not None and sum(len(f) for f in found) < len(span):
+                found.append(logps.T.double().cpu().numpy())
+            pause_for_test("reference")  # the tests' stop signals land here, mid-chunk (a no-op otherwise)
+    finally:
+        # A stop raised mid-chunk: the loader's workers end now. The traceback keeps this frame, and with it
+        # the iterator, whose workers held the process at its exit.
+        del iterator
     return np.concatenate(found)[: len(span)] if found else np.zeros((0, 2))
 
 
