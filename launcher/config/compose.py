@@ -6,6 +6,7 @@ here, so they see exactly what train.py would: the same conf/ tree, schema and r
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -46,9 +47,23 @@ def compose_typed(overrides: Sequence[str]) -> Config:
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        return typed(compose(overrides))
+        cfg = compose(overrides)
     except (HydraException, OmegaConfBaseException) as err:
         raise ConfigNotComposed(composition_error(err)) from None
+    check_keys(cfg)
+    try:
+        return typed(cfg)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigNotComposed(composition_error(err)) from None
+
+
+def check_keys(cfg: DictConfig) -> None:
+    """ConfigNotComposed for a key a `+` added that the launcher does not read (it would be ignored)."""
+    from launcher.config.keys import refusal, unknown_keys
+
+    unknown = unknown_keys(cfg)
+    if unknown:
+        raise ConfigNotComposed(refusal(unknown))
 
 
 def without_hydra(cfg: DictConfig) -> tuple[DictConfig, DictConfig]:
@@ -72,4 +87,12 @@ def composition_error(err: BaseException) -> str:
     cause = err.__cause__
     if cause is not None and str(cause).strip():
         text = f"{text.rstrip('.')}: {str(cause).strip().splitlines()[0]}"
+    if (missing := _NOT_A_KEY.search(text)) is not None:  # a key the schema lacks: the one meant, if known
+        from launcher.config.keys import hint
+
+        advice = hint(missing.group(1))
+        text += f"; {advice}" if advice else ""
     return text
+
+
+_NOT_A_KEY = re.compile(r"Could not override '([^']+)'")

@@ -31,6 +31,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from launcher.config.compose import check_keys
 from launcher.config.ranges import check_config
 from launcher.config.schema import Config, typed
 from launcher.core import credentials, logs
@@ -206,6 +207,7 @@ class _Attempt:
         cfg, hydra = (self.cfg, self.hydra) if self.continued is None else (self.continued.cfg, self.continued.hydra)
         for note in self.continued.notes if self.continued else ():
             self.say(note)
+        check_keys(cfg)  # a key a `+` added that nothing reads: refused before anything is written
         if self.continued is None:
             self.accepted = True  # a new job: nothing of an earlier run to leave as it was
             _write_hydra_files(self.run_dir, cfg, hydra)
