@@ -642,6 +642,11 @@ def test_the_composed_optimizer_needs_no_compiled_op_unless_offloaded():
     assert plain["optimizer"]["params"]["torch_adam"] is True
     offloaded = build(compose_plain(["deepspeed=z2_offload"]), device=GPU)
     assert "torch_adam" not in offloaded["optimizer"]["params"]  # DeepSpeed's compiled CPU Adam steps offloaded states
+    # The same where the offload comes from a deepspeed_json base (README's align-anything file; issue 44 saw
+    # torch's AdamW step its offloaded states): the final dict decides, whichever source offloads.
+    from_json = build(compose_plain([]), device=GPU, base=ALIGN_ANYTHING_Z3_OFFLOAD, base_source="x.json")
+    assert from_json["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert "torch_adam" not in from_json["optimizer"]["params"]
 
 
 @pytest.mark.slow
