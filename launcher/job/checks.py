@@ -28,7 +28,13 @@ from launcher.data.stream import stream_files
 from launcher.job.spec import Job
 from launcher.model.components import base_model
 from launcher.model.groups import assign, stage_specs
-from launcher.model.loading import check_pixel_limits, read_config, resolve_attn_implementation
+from launcher.model.loading import (
+    check_hub_model,
+    check_pixel_limits,
+    is_hub_id,
+    read_config,
+    resolve_attn_implementation,
+)
 from launcher.model.method import apply_method, check_adapter_targets, check_method, component_paths, uses_adapters
 from launcher.model.stats import fewest_image_tokens, frozen_meta_model, model_dir, pack_length
 
@@ -47,7 +53,7 @@ def check_inputs(config: Config, job: Job, *, launching: bool) -> None:
     check_loss(config)
     check_data(config.data)
     check_cache_dir(config)
-    check_model_files(config.model)
+    check_model_files(config.model, launching=launching)
     check_records(config, micro_batch=job.micro_batch, world_size=job.world_size, launching=launching)
     check_method(config, job.device.kind, launching=launching)
     if uses_adapters(config.method):
@@ -128,11 +134,16 @@ WEIGHT_FILES = (
 )
 
 
-def check_model_files(model_cfg: ModelConfig) -> None:
-    """A local model directory must hold weights, not only a config (a hub id is fetched by the ranks)."""
+def check_model_files(model_cfg: ModelConfig, *, launching: bool = False) -> None:
+    """A local model directory must hold weights, not only a config; a hub id's the ranks fetch, so the hub
+    must be reachable or the model in the local hub cache (checked when launching: a dry run plans offline)."""
     if str(model_cfg.source) != "pretrained" or not model_cfg.path:
         return
     path = Path(str(model_cfg.path)).expanduser()
+    if launching and not path.exists() and is_hub_id(str(model_cfg.path)):
+        if (note := check_hub_model(str(model_cfg.path))) is not None:
+            log.warning(note)
+        return
     if path.is_dir() and not any((path / name).is_file() for name in WEIGHT_FILES):
         raise LauncherError(
             f"model.path={model_cfg.path} has a config but no weights (model.safetensors or pytorch_model.bin): "

@@ -237,6 +237,28 @@ def hub_unreachable() -> str | None:
     return None
 
 
+def check_hub_model(hub_id: str) -> str | None:
+    """Before any rank asks the hub for a model's weights: None when the hub is reachable; when it is not and
+    the model is in the local hub cache, the line saying it loads from there (the ranks get HF_HUB_OFFLINE=1:
+    no minute of retries first); else LauncherError naming the fix. Asking an unreachable hub costs about a
+    minute of retries per file, then advice about copying directories (issue 44)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    offline = hub_unreachable()
+    if offline is None:
+        return None
+    cached = try_to_load_from_cache(hub_id, "config.json", cache_dir=constants.HF_HUB_CACHE)
+    if isinstance(cached, str):
+        os.environ["HF_HUB_OFFLINE"] = "1"  # the ranks inherit it
+        return f"model.path={hub_id}: the hub cannot be reached ({offline}); loading it from the local hub cache"
+    raise LauncherError(
+        f"model.path={hub_id} is a hub id, but the hub cannot be reached ({offline}) and the model is not in the "
+        f"local hub cache ({constants.HF_HUB_CACHE}): download it where the hub is reachable (huggingface-cli "
+        f"download {hub_id} --local-dir DIR) and give model.path=DIR, or train its shape with random weights "
+        "and no download (model.source=random)"
+    )
+
+
 def read_config(path_or_hub_id: str):
     """A model's config: a local directory's, a shipped preset's, or the hub's (one line when it cannot)."""
     local = Path(path_or_hub_id).expanduser()

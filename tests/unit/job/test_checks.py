@@ -5,6 +5,7 @@ tests/unit/launch/test_run.py."""
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -192,3 +193,32 @@ def test_a_preference_loss_refuses_what_it_cannot_honour_in_one_line(overrides, 
 )
 def test_the_preference_losses_people_run_pass_the_checks(overrides):
     checks.check_loss(compose_typed(overrides))
+
+
+def test_a_hub_model_without_a_reachable_hub_is_named_with_its_fix_or_loaded_from_the_hub_cache(tmp_path, monkeypatch):
+    """A real preset where the hub cannot be reached: refused before any rank asks it (a minute of retries,
+    then advice about copying directories, in issue 44), unless the local hub cache holds it: then the ranks
+    load it from there (HF_HUB_OFFLINE=1, inherited)."""
+    from huggingface_hub import constants
+
+    from launcher.job.checks import check_model_files
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    model = compose_typed(["model=qwen2_vl_2b"]).model
+    check_model_files(model, launching=False)  # a dry run plans offline
+    with pytest.raises(LauncherError) as refused:
+        check_model_files(model, launching=True)
+    assert str(refused.value).startswith(
+        "model.path=Qwen/Qwen2-VL-2B-Instruct is a hub id, but the hub cannot be reached (HF_HUB_OFFLINE=1) and the "
+        f"model is not in the local hub cache ({tmp_path / 'hub'}): download it where the hub is reachable"
+    )
+    assert "give model.path=DIR" in str(refused.value) and "model.source=random" in str(refused.value)
+    snapshot = tmp_path / "hub" / "models--Qwen--Qwen2-VL-2B-Instruct" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("abc")
+    check_model_files(model, launching=True)
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
