@@ -181,7 +181,7 @@ def preflight_plan(cfg: Config, spec: Job) -> tuple[str | None, int]:
     rows = plan_rows(cfg, spec.hydra.overrides, stats, target, precisions=(layout.dtype,))
     best = recommend(rows, target.kind)
     if best is not None:
-        advice = f"expected to fit: deepspeed={best.preset} precision={best.dtype}"
+        advice = f"expected to fit: {_choice(cfg, best)}"
     else:
         advice = "no preset is expected to fit: lower train.micro_batch_size or data.max_length, or add ranks"
     line = (
@@ -286,10 +286,27 @@ def report(cfg: Config, overrides: Sequence[str] = ()) -> str:
         )
     else:
         lines.append(
-            f"recommendation: deepspeed={best.preset} precision={best.dtype} (the fastest expected to fit: "
-            f"{_amount(best.estimate.device_total, _unit(rows)[1])} {_unit(rows)[0]} per device)"
+            f"recommendation: {_choice(cfg, best)} (the fastest expected to fit: "
+            f"{_amount(best.estimate.device_total, _unit(rows)[1])} {_unit(rows)[0]} per device"
+            + (
+                "; offload.nvme_path: a fast local disk of yours, where the states are swapped)"
+                if _nvme(cfg, best)
+                else ")"
+            )
         )
     return "\n".join(lines)
+
+
+def _choice(cfg: Config, best: Row) -> str:
+    """The overrides that run the recommended row, with the knob a preset cannot run without (z3_nvme: a
+    fast local disk for the swapped states) when the command line does not give it."""
+    choice = f"deepspeed={best.preset} precision={best.dtype}"
+    return choice + " offload.nvme_path=/local_nvme" if _nvme(cfg, best) else choice
+
+
+def _nvme(cfg: Config, best: Row) -> bool:
+    """The row swaps states to a disk, and the command line names none."""
+    return "nvme" in PRESETS[best.preset][1:] and not cfg.offload.nvme_path
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -337,6 +337,18 @@ def test_preflight_when_nothing_fits_says_what_to_lower(published):
     assert "no preset is expected to fit: lower train.micro_batch_size" in warning
 
 
+def test_a_recommended_nvme_preset_comes_with_the_disk_it_needs(published):
+    """z3_nvme cannot run without offload.nvme_path: the recommendation names it unless the command line does."""
+    qwen = ["model=qwen2_vl_2b", f"model.path={published['qwen2_vl_2b']}", "plan.precisions=[bf16]"]
+    tight = [*qwen, "plan.gpu_memory_gb=4", "plan.cpu_memory_gb=30"]  # z3_offload's 30.6 GiB of host memory: no
+    last = plan.report(compose_typed(tight), tight).splitlines()[-1]
+    assert last.startswith("recommendation: deepspeed=z3_nvme precision=bf16 offload.nvme_path=/local_nvme (")
+    assert last.endswith("; offload.nvme_path: a fast local disk of yours, where the states are swapped)")
+    given = [*tight, "offload.nvme_path=/nvme"]
+    last = plan.report(compose_typed(given), given).splitlines()[-1]
+    assert last.startswith("recommendation: deepspeed=z3_nvme precision=bf16 (") and "nvme_path" not in last
+
+
 def test_preflight_of_the_built_in_job_is_silent():
     assert plan.preflight(*_planned([], Device("cpu", bf16=True, fp16=False))) is None
 
