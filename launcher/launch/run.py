@@ -48,6 +48,7 @@ from launcher.job.planning import job_credentials, plan_job, training_length
 from launcher.job.spec import HydraJob, Job, read_job
 from launcher.launch import slurm
 from launcher.launch.ranks import start_ranks
+from launcher.model.method import adapters_on_random_base
 from launcher.model.stats import model_dir
 from launcher.plan.report import preflight_plan
 from launcher.train import universal
@@ -220,6 +221,8 @@ class _Attempt:
             self.say(length)
         job = plan_job(config, hydra).replace(launch_id=slurm.launch_id(config.dist))
         check_inputs(config, job, launching=not config.dry_run)
+        if (warning := adapters_on_random_base(config)) is not None:
+            self.say(f"warning: {warning}")
         job = job.replace(model_path=model_dir(config))  # a tiny model is built here, once, for every rank
         pause_for_test("plan")  # the tests' stop signals land here (a no-op otherwise)
         job = job.replace(planned_memory_bytes=_check_memory(config, job, self.say))

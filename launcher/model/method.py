@@ -195,6 +195,19 @@ def apply_method(model: nn.Module, method: Any, model_cfg: Any) -> nn.Module:
         return get_peft_model(model, config)
 
 
+def adapters_on_random_base(cfg: Any) -> str | None:
+    """The warning for adapters on a base with random weights (a tiny or random build): they can only learn
+    around noise, and the run looks broken (issue 44: `python train.py method=lora`, exact match 0.42)."""
+    source = str(cfg.model.source)
+    if not uses_adapters(cfg.method) or source == "pretrained":
+        return None
+    return (
+        f"method={cfg.method.name} on model.source={source}: the base's weights are random, so the adapters learn "
+        "around noise; train a base first (python train.py), then give it: method=lora model.source=pretrained "
+        "model.path=RUN_DIR/model (docs/models.md: a second task)"
+    )
+
+
 def check_method(cfg: Any, device_kind: str, *, launching: bool = True) -> None:
     """Refuse, before any rank starts, 4-bit loading where bitsandbytes cannot run (not for a dry run,
     which may plan for another machine). The LoRA knobs' ranges are launcher.config.ranges'."""

@@ -943,6 +943,17 @@ def test_bad_records_can_be_skipped_and_counted(tmp_path, train_in_process, capl
     assert f"data: 2 bad record(s) skipped: see {listed}" in caplog.messages
 
 
+def test_adapters_on_a_random_base_are_warned_about_with_the_way_to_a_trained_one(tmp_path):
+    """`python train.py method=lora` trains adapters on the tiny model's random weights: it warns, naming how to
+    give it a trained base; a pretrained base (a run's model/) is not warned about."""
+    warned = run_here(["method=lora", "dry_run=true", "logger=none"], tmp_path / "lora")
+    assert warned.outcome.exit_code == 0, warned.outcome.error
+    (line,) = [line for line in warned.lines if "random" in line]
+    assert line.startswith("warning: method=lora on model.source=tiny: the base's weights are random")
+    assert "method=lora model.source=pretrained model.path=RUN_DIR/model" in line
+    assert not any("random" in line for line in run_here(["dry_run=true"], tmp_path / "full").lines)
+
+
 # ---------------------------------------------------------------------------------------------- memory plan
 def test_the_preflight_warns_or_refuses_a_job_that_will_not_fit(tmp_path):
     too_small = ["dry_run=true", "logger=none", "plan.gpu_memory_gb=0.0001", "plan.cpu_memory_gb=0.0001"]
