@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import time
+from typing import Any
 
 from launcher.core.rundir import MetricsWriter, RunDir
 from launcher.core.summary import Summary
@@ -59,13 +61,20 @@ class Recorder:
 
 
 class Progress:
-    """A progress bar on a terminal; plain periodic log lines otherwise (CI, SLURM logs)."""
+    """A progress bar on a terminal; plain periodic log lines otherwise (CI, SLURM logs): at the first and last
+    step, every `log_every` steps, and at least every `every_s` seconds, each after the first with the time
+    left at the pace of the steps since the first (whose start-up work would skew it)."""
 
-    def __init__(self, enabled: bool, total: int, log_every: int) -> None:
+    def __init__(
+        self, enabled: bool, total: int, log_every: int, *, every_s: float = 60.0, clock: Any = time.monotonic
+    ) -> None:
         self.log_every = log_every
         self.total = total
         self.bar = None
         self.enabled = enabled
+        self.every_s, self.clock = every_s, clock
+        self.first: tuple[int, float] | None = None  # (step, time) of the first step seen
+        self.last_line = 0.0
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -78,8 +87,22 @@ class Progress:
         if self.bar is not None:
             self.bar.set_postfix_str(text, refresh=False)  # update() redraws, at most every 0.1 s
             self.bar.update(1)
-        elif step % self.log_every == 0 or step in (1, self.total):
-            log.info("step %d/%d | %s | lr %.2e", step, self.total, text, metrics["train/lr"])
+            return
+        now = self.clock()
+        if self.first is None:
+            self.first = (step, now)
+        due = step % self.log_every == 0 or step in (1, self.total) or now - self.last_line >= self.every_s
+        if due:
+            self.last_line = now
+            log.info("step %d/%d | %s | lr %.2e%s", step, self.total, text, metrics["train/lr"], self._left(step, now))
+
+    def _left(self, step: int, now: float) -> str:
+        """' | about 3 min left' from the pace since the first step seen; '' before a pace or at the end."""
+        first_step, first_time = self.first or (step, now)
+        if step <= first_step or step >= self.total:
+            return ""
+        left = (now - first_time) / (step - first_step) * (self.total - step)
+        return f" | about {_duration(left)} left"
 
     def close(self) -> None:
         if self.bar is not None:
@@ -124,6 +147,14 @@ def _useful(summary: Summary) -> list[tuple[str, str]]:
     if summary.mfu is not None:
         text += f", MFU {summary.mfu:.1%}"
     return [("work", text)]
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def _mib(n: int | None) -> str:

@@ -97,6 +97,23 @@ def test_progress_off_a_terminal_is_a_line_at_the_first_every_kth_and_last_step(
     assert caplog.records == []
 
 
+def test_progress_off_a_terminal_says_the_time_left_and_speaks_at_least_every_minute(caplog):
+    """A 6-minute silence between `step 1/100` and `step 100/100` (issue 44): a line at least every 60 s, each
+    with the time left at the pace since the first step (whose start-up would skew it)."""
+    now = [0.0]
+    progress = Progress(True, total=100, log_every=100, every_s=60, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="launcher"):
+        progress.update(1, METRICS)  # the end of the first step, however long its start-up took
+        for step in range(2, 101):
+            now[0] = 7.0 * (step - 1)  # 7 s a step
+            progress.update(step, METRICS)
+    lines = [record.getMessage() for record in caplog.records if record.name == "launcher"]
+    assert [int(line.split(" |")[0].split()[1].split("/")[0]) for line in lines] == [1, *range(10, 100, 9), 100]
+    assert lines[0].endswith("lr 1.00e-03") and lines[-1].endswith("lr 1.00e-03")  # no pace yet / nothing left
+    assert lines[1].endswith("lr 1.00e-03 | about 10 min left")  # 90 steps of 7 s
+    assert lines[-2].endswith("| about 63 s left")
+
+
 def test_the_final_table_says_how_the_run_ended_and_where_its_files_are(tmp_path):
     run_dir = RunDir(tmp_path)
     summary = Summary(status="completed", steps=20, wall_s=12.34, final_loss=1.23456, eval_loss=1.5, eval_accuracy=0.25)
