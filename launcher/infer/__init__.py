@@ -1,0 +1,1 @@
+"""`python -m launcher.infer MODEL [QUESTION] --image FILE`: ask a trained model (launcher.infer.infer)."""

@@ -1,0 +1,5 @@
+import sys
+
+from launcher.infer.infer import main
+
+sys.exit(main())
