@@ -21,7 +21,8 @@ ENDED = ("completed", "preempted", "failed", "interrupted")
 class Summary:
     status: str = "running"
     steps: int = 0
-    wall_s: float | None = None
+    wall_s: float | None = None  # every segment of the run: a resumed run's earlier ones included
+    earlier_wall_s: float | None = None  # a resumed run: its earlier segments' wall time (wall_s includes it)
     final_loss: float | None = None
     eval_loss: float | None = None
     eval_accuracy: float | None = None

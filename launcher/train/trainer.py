@@ -98,6 +98,9 @@ def train(job: Job, run_dir: Path) -> Summary:
     """Train one rank of `job` in `run_dir`; returns the summary (rank 0's is written)."""
     directory = RunDir(Path(run_dir))
     summary = job.summary()
+    if job.resume is not None:  # its time counts the earlier segments' too (what summary.json said then)
+        earlier = directory.read_summary()
+        summary.earlier_wall_s = earlier.wall_s if earlier is not None else None
     track = _Track(rank=int(os.environ.get("RANK", "0")))
     with contextlib.ExitStack() as cleanup:
         try:
@@ -427,7 +430,7 @@ def finish(run: Run, stopped_at: int | None) -> Summary:
     summary, throughput = run.summary, run.state.throughput
     summary.status = "completed" if stopped_at is None else "preempted"
     summary.steps = steps_done
-    summary.wall_s = round(time.time() - run.started, 3)
+    summary.wall_s = round((summary.earlier_wall_s or 0.0) + time.time() - run.started, 3)
     summary.final_loss = run.state.last_loss
     summary.eval_loss = run.eval_metrics.get("eval/loss")
     summary.eval_accuracy = run.eval_metrics.get("eval/accuracy")
@@ -488,7 +491,7 @@ def _failed(err: BaseException, job: Job, run_dir: RunDir, summary: Summary, tra
         message = step_failure(message, track.in_step, job.world_size, summary.zero_stage)
     summary.status, summary.error = status, message
     summary.steps = run_dir.last_recorded_step()  # the last step trained, in every ending
-    summary.wall_s = round(time.time() - track.started, 3)
+    summary.wall_s = round((summary.earlier_wall_s or 0.0) + time.time() - track.started, 3)
     exit_code = err.exit_code if isinstance(err, LauncherError) else 1
     trace_file = run_dir.rank_traceback(track.rank)
     # Best effort: on a full disk these writes fail too, and must not hide the error itself, which then goes

@@ -241,6 +241,9 @@ def test_resume_auto_starts_fresh_then_leaves_a_finished_run_and_continues_a_lon
     assert more.outcome.status == "completed", more.outcome.error
     assert read_summary(run_dir)["resumed_from_step"] == 2
     assert [row["step"] for row in read_metrics(run_dir)] == [1, 2, 3]
+    # Its time covers both segments (it covered the last alone: issue 42), the first as summary.json said.
+    resumed = read_summary(run_dir)
+    assert resumed["earlier_wall_s"] == finished["wall_s"] and resumed["wall_s"] > finished["wall_s"]
 
 
 def sweep_job(overrides: Sequence[str], run_dir: Path) -> Ran:
