@@ -12,7 +12,7 @@ import netrc
 import os
 import re
 from collections.abc import Mapping, Sequence
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -98,13 +98,29 @@ def _is_noisy_override(key: str) -> bool:
     return is_secret_key(last) or any(word in last for word in _NOISY_OVERRIDE_WORDS)
 
 
+# Paths that change what is measured (the data, the model, a DeepSpeed JSON): kept, as their last two parts.
+_MEASURED_PATHS = ("data.path", "data.eval_path", "model.path", "deepspeed_json")
+
+
 def experiment_overrides(overrides: Sequence[str]) -> list[str]:
     """The overrides that describe the experiment, as ``key=value`` without Hydra's +/++/~ prefixes.
 
     Hydra settings (hydra.*), paths, W&B settings and secrets are left out: they differ between
-    runs without changing what is measured, or must not be shown.
+    runs without changing what is measured, or must not be shown. The paths of the data, the model and a
+    DeepSpeed JSON stay (two runs on other data are not the same experiment), shortened to their last two
+    parts (``runs/model``, ``Qwen/Qwen2-VL-2B-Instruct``).
     """
-    return [o.lstrip("+~").strip() for o in overrides if "=" in o and not _is_noisy_override(override_key(o))]
+    kept = []
+    for override in overrides:
+        if "=" not in override:
+            continue
+        key = override_key(override)
+        if key in _MEASURED_PATHS:
+            value = override.partition("=")[2].strip()
+            kept.append(f"{key}={'/'.join(PurePath(value).parts[-2:]) if '/' in value else value}")
+        elif not _is_noisy_override(key):
+            kept.append(override.lstrip("+~").strip())
+    return kept
 
 
 def run_name(overrides: Sequence[str]) -> str:

@@ -71,9 +71,20 @@ def test_run_name() -> None:
 
 
 def test_experiment_overrides_leave_out_paths_secrets_and_hydras_own() -> None:
-    given = ["+train.lr=3e-4", "logger.project=p", "data.path=/d.json", "model.hf_token=x", "hydra.job.num=0",
-             "~model.extra", "deepspeed_extra.comet.api_key=k", "precision=bf16"]  # fmt: skip
+    given = ["+train.lr=3e-4", "logger.project=p", "data.image_root=/imgs", "model.hf_token=x", "hydra.job.num=0",
+             "~model.extra", "deepspeed_extra.comet.api_key=k", "precision=bf16", "cache_dir=/c"]  # fmt: skip
     assert naming.experiment_overrides(given) == ["train.lr=3e-4", "precision=bf16"]
+
+
+def test_the_data_and_the_model_stay_as_the_last_two_parts_of_their_paths() -> None:
+    """Runs on other data or another model are other experiments: the comparison must show it (issue 44)."""
+    given = ["data.path=/data/sets/train.json", "model.path=outputs/runs/2026-12-05/10-00-00/model",
+             "model.path=Qwen/Qwen2-VL-2B-Instruct", "deepspeed_json=ds.json",
+             "data.eval_path=/d/val.json"]  # fmt: skip
+    assert naming.experiment_overrides(given) == [
+        "data.path=sets/train.json", "model.path=10-00-00/model", "model.path=Qwen/Qwen2-VL-2B-Instruct",
+        "deepspeed_json=ds.json", "data.eval_path=d/val.json",
+    ]  # fmt: skip
 
 
 def test_tags_from_choices() -> None:
