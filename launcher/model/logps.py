@@ -30,8 +30,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from launcher.core.scopes import scope
 from launcher.data.length import IGNORE_INDEX
-from launcher.train.profile import scope
 
 ANSWER_LABELS = "answer_labels"  # the keyword that switches a model's forward to row log-probs
 ANSWER_CHUNK = "answer_chunk"  # tokens per chunk through the output layer

@@ -33,9 +33,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from launcher.core.scopes import PREFIX, record_scopes
+
 log = logging.getLogger("launcher")
 
-PREFIX = "launcher/"
 PARTS = (
     "data wait",
     "communication",
@@ -55,13 +56,6 @@ _MATMUL = re.compile(
     r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear|addmv|mv|_scaled_mm)$|gemm|cutlass|sm\d+_xmma", re.IGNORECASE
 )
 _COPY = re.compile(r"^aten::(copy_|to|_to_copy|contiguous|clone)$|memcpy|memset", re.IGNORECASE)
-
-_active = False  # a profile is recording: the loop's scopes are entered
-
-
-def scope(name: str) -> contextlib.AbstractContextManager[Any]:
-    """A named range of the loop (data, forward, backward, optimizer, loss) while a profile records."""
-    return torch.profiler.record_function(PREFIX + name) if _active else contextlib.nullcontext()
 
 
 def part_of(name: str, scopes: Sequence[str]) -> str:
@@ -165,24 +159,22 @@ class StepProfiler:
             self.stop(step)
 
     def _start(self) -> None:
-        global _active
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.synchronize(self.device)
         self.profiler = torch.profiler.profile(activities=activities)
         self.profiler.__enter__()
-        _active = True
+        record_scopes(True)
         self.hooks = [hook for tower in self.vision for hook in _vision_scope(tower)]
         self.started = time.perf_counter()
 
     def stop(self, step: int) -> None:
         """End the profile after `step` (the last profiled, or the last the run made) and write its files."""
-        global _active
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         wall = time.perf_counter() - self.started
-        _active = False
+        record_scopes(False)
         for hook in self.hooks:
             hook.remove()
         profiler, self.profiler = self.profiler, None

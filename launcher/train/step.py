@@ -28,6 +28,7 @@ import torch
 from launcher.core.checkpoints import find_resume_tag
 from launcher.core.errors import TrainingFailed
 from launcher.core.rundir import RunDir
+from launcher.core.scopes import scope
 from launcher.data.packing import REAL_TOKENS, RECORD_LENGTHS
 from launcher.model.flops import FlopModel
 from launcher.model.packing import packed_inputs
@@ -37,7 +38,6 @@ from launcher.train.faults import Fault
 from launcher.train.loaders import Data
 from launcher.train.losses import Loss
 from launcher.train.memory_meter import MemoryMeter
-from launcher.train.profile import scope
 
 
 @dataclass

@@ -315,6 +315,12 @@ def test_readme_command(number, command, work, env, data, base_run, state):
         args = [str(state["lora"]) if arg == "RUN_DIR" else str(out) if arg == "DIR" else arg for arg in argv[3:]]
         _run([sys.executable, "-m", module, *args], env, where)
         assert (out / "config.json").is_file(), f"{where}: no model in {out}"
+    elif module == "launcher.infer":
+        image = work / "shape.png"
+        Image.new("RGB", (32, 32), COLOURS["red"]).save(image)
+        args = [str(base_run) if arg == "RUN_DIR" else str(image) if arg == "shape.png" else arg for arg in argv[3:]]
+        output = _run([sys.executable, "-m", module, *args], env, where)
+        assert output.strip(), f"{where}: no answer"
     elif module == "launcher.tune":
         tiny = [
             "tune.presets=[z0]",

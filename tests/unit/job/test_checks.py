@@ -205,7 +205,7 @@ def test_a_hub_model_without_a_reachable_hub_is_named_with_its_fix_or_loaded_fro
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # recorded, so the "1" the check sets is undone after the test
     model = compose_typed(["model=qwen2_vl_2b"]).model
     check_model_files(model, launching=False)  # a dry run plans offline
     with pytest.raises(LauncherError) as refused:
