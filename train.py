@@ -25,7 +25,7 @@ import hydra
 from omegaconf import DictConfig
 
 from launcher.config.schema import register_configs
-from launcher.launch.cli import composition_refused, local_rank_dropped, refused_run_dir
+from launcher.launch.cli import composition_refused, local_rank_dropped, refused_run_dir, slurm_missing
 
 register_configs()
 
@@ -51,7 +51,7 @@ if __name__ == "__main__":
     if (refused := composition_refused(sys.argv)) is not None:  # one line, where Hydra would print a dump
         print(f"error: {refused}", file=sys.stderr)
         sys.exit(1)
-    if (refused := refused_run_dir(sys.argv)) is not None:
+    if (refused := slurm_missing(sys.argv) or refused_run_dir(sys.argv)) is not None:
         print(f"error: {refused}", file=sys.stderr)
         sys.exit(2)
     main()

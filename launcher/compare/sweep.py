@@ -22,6 +22,8 @@ _failed: list[tuple[str, str]] = []
 
 # Jobs a stop signal ended (saved and resumable, or stopped before training): not failures.
 STOPPED = ("preempted", "interrupted")
+# Jobs the device cannot run (launcher.core.errors.DeviceLacks: fp16 on a CPU): named in the table, no failure.
+SKIPPED = "skipped"
 
 
 def failed_jobs(sweep_dir: Path) -> list[tuple[str, str]]:
@@ -30,7 +32,7 @@ def failed_jobs(sweep_dir: Path) -> list[tuple[str, str]]:
     failed = []
     for job_dir in sorted(path for path in sweep_dir.iterdir() if path.is_dir()):
         summary = RunDir(job_dir).read_summary()
-        if summary is not None and summary.status != "completed":
+        if summary is not None and summary.status not in ("completed", SKIPPED):
             failed.append((job_dir.name, summary.status if summary.status in STOPPED else summary.error or "failed"))
     return failed
 

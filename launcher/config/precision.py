@@ -13,7 +13,7 @@ from pathlib import PurePath
 from typing import Any
 
 from launcher.config.tree import get
-from launcher.core.errors import LauncherError
+from launcher.core.errors import DeviceLacks, LauncherError
 
 PRECISIONS = ("fp32", "bf16", "fp16", "auto")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -52,13 +52,13 @@ def resolve_precision(requested: str, device: Device) -> str:
         supported = {"fp32": True, "bf16": device.bf16, "fp16": device.fp16 and device.kind != "cpu"}
         return next(dtype for dtype in fastest_precisions(device.kind) if supported[dtype])
     if requested == "fp16" and not device.fp16:
-        raise LauncherError(
+        raise DeviceLacks(
             f"precision=fp16 is not supported on this {device.kind} {device.name}".rstrip()
             + ": use precision=bf16 or precision=fp32"
         )
     if requested == "bf16" and not device.bf16:
         alternative = "precision=fp16 or precision=fp32" if device.fp16 else "precision=fp32"
-        raise LauncherError(
+        raise DeviceLacks(
             f"precision=bf16 is not supported on this {device.kind} {device.name}".rstrip() + f": use {alternative}"
         )
     return requested

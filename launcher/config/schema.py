@@ -47,6 +47,7 @@ TinyArch = _choice("TinyArch", ("tiny_llava", "tiny_qwen2_vl"))
 OnBadRecord = _choice("OnBadRecord", ("error", "skip"))
 Truncation = _choice("Truncation", ("truncate", "skip"))
 CacheImages = _choice("CacheImages", ("encoded", "pixels"))
+CacheCheck = _choice("CacheCheck", ("checksums", "sizes"))
 DataFormat = _choice("DataFormat", ("auto", "llava", "sharegpt", "messages"))
 DistLauncher = _choice("DistLauncher", ("local", "torchrun", "deepspeed", "slurm"))
 DistBackend = _choice("DistBackend", ("auto", "nccl", "gloo", "ccl"))
@@ -311,6 +312,9 @@ class DataConfig:
     # How the cache keeps images: encoded (the files' bytes; DataLoader workers decode and process them)
     # or pixels (the image processor's float32 output: no image work per step, ~50x the disk).
     cache_images: CacheImages = CacheImages.encoded
+    # What each start checks of a built cache before training on it: every file's size and checksum (reads
+    # the whole cache: disk-bound, ~8 GB/s from the page cache), or the sizes alone (a stat per file).
+    cache_check: CacheCheck = CacheCheck.checksums
     # Batches of records of similar length (less padding); needs data.cache (the lengths come from it).
     group_by_length: bool = False
     # Several records per row up to data.pack_length tokens, kept apart (positions restart per record, a
@@ -421,6 +425,10 @@ class TuneConfig:
     loss_tolerance: float = 1e-4  # first losses (fp32) may differ from the reference by this (relative)
     low_precision_loss_tolerance: float = 2e-2  # ... in bf16/fp16
     candidate_timeout_s: float = 900  # a candidate running longer fails
+    # Confirmation: the confirm_top fastest candidates that fit run confirm_runs times more, in turn; each
+    # is then the median of its runs (one run on a busy machine can mislead). 0 runs: none.
+    confirm_top: int = 3
+    confirm_runs: int = 1
     dir: str | None = None  # null: outputs/tune/DATE/TIME
 
 

@@ -15,6 +15,11 @@ class TrainingFailed(LauncherError):
     exit_code = 1
 
 
+class DeviceLacks(LauncherError):
+    """The device cannot run what the job asks (a precision it does not have): exit code 2 for one job; in a
+    sweep the job is recorded "skipped", not failed (a precision sweep meant for GPUs, run on a CPU)."""
+
+
 class Interrupted(LauncherError):
     """The job was stopped by a signal before training could stop cleanly: status "interrupted"."""
 

@@ -8,18 +8,25 @@ processor's float32 output instead (4 bytes per value: 1.3 MiB per 336 x 336 ima
 KB of its JPEG): no image work left for the workers, for sets small enough to afford the disk.
 
 Layout of one cache (a directory under cache_dir/data_cache/, named by its key):
-    meta.json          the key's inputs, record count, the records skipped (and why) and cut, each record's
-                       id, source and position, the shards and every tensor's dtype and trailing shape
+    meta.json          the key's inputs, record count, the records skipped (and why) and cut, the shards and
+                       every tensor's dtype and trailing shape, every other file's size and XXH3-128 checksum
+    records.npz        each record's position in the records given and its source; ids.arrow: its id
     shards/NNNNN/      the records [N x shard_records, (N+1) x shard_records) that survived:
         <name>.bin     one flat file per tensor (input_ids, labels, image_bytes, ...), records back to back;
                        64-bit integers in 32 bits (read back as 64-bit)
         index.npz      per tensor: the offsets of each record's rows
-        shard.json     what the shard kept, skipped and cut; its presence marks the shard complete
+        shard.json     what the shard kept, skipped and cut, its files' sizes and checksums; its presence
+                       marks the shard complete
 
 Every rank builds the shards whose number is its rank modulo the world size, at the same time as the
 others (with `data.num_workers` DataLoader workers each); a killed build leaves its complete shards, and
 the next one builds only the others. Rank 0 then writes meta.json, and the build's directory is renamed
 into place: nothing that looks complete exists before the last write.
+
+Every start checks a complete cache against meta.json's sizes and checksums before it trains on it (rank 0,
+bound by the disk: launcher.core.manifest). A shard that differs (cut short, bytes changed, missing) is
+named in one line and built again, the intact ones kept: the cache goes back to being a build that lacks
+those shards. A cache written before the checksums existed is trusted as it is.
 
 Why flat files and np.memmap, not the `datasets` Arrow cache: a record is a handful of arrays of
 different lengths; reading one from a memory map is a slice and a copy, with no conversion of nested
@@ -56,7 +63,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from launcher.config.schema import CacheImages, DataConfig
 from launcher.core.children import helper_process
+from launcher.core.disk import free_space
 from launcher.core.errors import Interrupted, LauncherError, TrainingFailed
+from launcher.core.manifest import damage, fingerprint
 from launcher.core.signals import pause_for_test
 from launcher.data.collate import Collator, add_dummy_image, nothing_fits
 from launcher.data.formats import BadRecordError, open_image, skipped_entry
@@ -76,6 +85,9 @@ RECORDS_FILE = "records.npz"
 IDS_FILE = "ids.arrow"
 INDEX_FILE = "index.npz"
 SHARD_FILE = "shard.json"
+SHARDS_DIR = "shards"
+CHECKSUM = "xxh3_128"  # the files' checksum in shard.json and meta.json (launcher.core.manifest)
+CHECK_SAY_S = 10.0  # a check of a complete cache that takes longer says how long it took
 SHARD_RECORDS = 2048  # records per shard: what a killed build loses at most, per rank
 IMAGE_STORAGE = tuple(choice.value for choice in CacheImages)  # data.cache_images, as the schema spells it
 # The tensors an encoded record holds in place of pixel_values: its images' bytes, and each one's length.
@@ -219,16 +231,21 @@ def ensure_cache(
     num_workers: int,
     part: Part = Part(),
     shard_records: int = SHARD_RECORDS,
+    check: str = "checksums",
 ) -> CacheInfo:
     """The cache for these records, built when missing, by every rank of `part` at once (each rank calls
     this). `load(i)` decodes record i (images and all, raising BadRecordError when it cannot); `encode`
     turns it into the record's tensors, cut to its limit (part of the key). A record over the limit that
-    cannot be cut is skipped whatever `on_bad_record` says."""
+    cannot be cut is skipped whatever `on_bad_record` says. `check` (data.cache_check): what rank 0 checks of
+    a complete cache first, every file's checksum or its size."""
     key = cache_key(records, processor, model, encode.limit, encode.images)
     path = root / key
     started = time.perf_counter()
-    existed = _read_meta(path) is not None
     building = root / f".{key}.building"  # shared by every rank, and by the next attempt of a killed build
+    if part.rank == 0 and path.exists():
+        _reopen_if_damaged(path, building, sizes_only=check == "sizes")
+    part.barrier()  # every rank sees the cache rank 0 checked (or the build it became)
+    existed = _read_meta(path) is not None
     build = _ShardBuild(building, records, encode, load, on_bad_record, num_workers, shard_records)
     if not existed:
         if part.rank == 0:
@@ -250,6 +267,73 @@ def ensure_cache(
     return _info(path, meta, built=not existed)
 
 
+def cache_damage(path: Path, *, sizes_only: bool = False) -> dict[str, str]:
+    """Each file of the complete cache at `path` that differs from its meta.json (relative path -> why); empty
+    when none does, or when the cache predates the checksums. `sizes_only`: compare the sizes, not the bytes."""
+    meta = _read_meta(path) or {}
+    found = {}
+    for name, recorded in meta.get("files", {}).items():
+        problem = damage(path / name, {"bytes": recorded["bytes"]} if sizes_only else recorded)
+        if problem is not None:
+            found[name] = problem
+    return found
+
+
+def _reopen_if_damaged(path: Path, building: Path, *, sizes_only: bool) -> None:
+    """Check the complete cache at `path`; a damaged one goes back to being the build `building` with its
+    intact shards, so that the build writes the others again (records.npz, ids.arrow and meta.json too).
+    One whose meta.json cannot be read (it is renamed into place with it: never legitimately) is removed."""
+    if _read_meta(path) is None:
+        log.warning("data cache %s: its %s cannot be read (damaged): building the cache again", path, META_FILE)
+        _removed(path)
+        return
+    started = time.perf_counter()
+    found = cache_damage(path, sizes_only=sizes_only)
+    seconds = time.perf_counter() - started
+    if seconds > CHECK_SAY_S:
+        log.info("data cache: %s checked in %.0f s (data.cache_check=sizes checks the sizes alone)", path, seconds)
+    if not found:
+        return
+    first = next(iter(found))
+    shards = sorted({name.split("/")[1] for name in found if name.startswith(f"{SHARDS_DIR}/")})
+    log.warning(
+        "data cache %s is damaged (%s: %s%s): building %s again, the other shards kept",
+        path,
+        path / first,
+        found[first],
+        f"; {len(found) - 1} more file(s)" if len(found) > 1 else "",
+        f"shard(s) {', '.join(shards)}" if shards else "its record list",
+    )
+    try:
+        (path / META_FILE).unlink()  # first: from here on nothing says the cache is complete
+        shutil.rmtree(building, ignore_errors=True)  # a leftover of a build that another job then finished
+        os.rename(path, building)
+        for shard in shards:
+            if (building / SHARDS_DIR / shard).exists():
+                shutil.rmtree(building / SHARDS_DIR / shard)
+        for name in (RECORDS_FILE, IDS_FILE):
+            (building / name).unlink(missing_ok=True)
+    except OSError as error:
+        raise LauncherError(
+            f"data cache {path} is damaged ({path / first}: {found[first]}) and cannot be rebuilt in place "
+            f"({error.strerror or error}): delete it (and {building}) to have it built again, or set cache_dir "
+            "to a writable disk"
+        ) from error
+
+
+def _removed(path: Path) -> None:
+    """Remove a damaged cache: renamed aside first (atomic: no reader finds it half-removed), then deleted."""
+    aside = path.with_name(f".{path.name}.damaged-{os.getpid()}")
+    try:
+        os.rename(path, aside)
+    except OSError as error:
+        raise LauncherError(
+            f"data cache {path} is damaged and cannot be removed ({error.strerror or error}): delete it to have it "
+            "built again, or set cache_dir to a writable disk"
+        ) from error
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def ensure_job_cache(
     data: DataConfig, cache: Path, model: str, processor: Any, records: Sequence[dict], part: Part
 ) -> CacheInfo:
@@ -265,6 +349,7 @@ def ensure_job_cache(
         on_bad_record=str(data.on_bad_record),
         num_workers=int(data.num_workers),
         part=part,
+        check=str(data.cache_check),
     )
 
 
@@ -306,7 +391,7 @@ class _ShardBuild:
         self.stopped = False  # a stop request ended `run` before its last shard
 
     def shard_dir(self, number: int) -> Path:
-        return self.building / "shards" / f"{number:05d}"
+        return self.building / SHARDS_DIR / f"{number:05d}"
 
     def span(self, number: int) -> range:
         return range(number * self.shard_records, min(len(self.records), (number + 1) * self.shard_records))
@@ -336,8 +421,8 @@ class _ShardBuild:
 
     def _write_shard(self, number: int) -> None:
         """One shard, written to a temporary directory and renamed into place."""
-        (self.building / "shards").mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{number:05d}.", dir=self.building / "shards"))
+        (self.building / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{number:05d}.", dir=self.building / SHARDS_DIR))
         try:
             try:
                 written = _write_tensors(
@@ -345,11 +430,12 @@ class _ShardBuild:
                     on_bad_record=self.on_bad_record, workers=self.num_workers,
                 )  # fmt: skip
             except OSError as error:  # a full disk, a file size limit
-                free = shutil.disk_usage(self.building.parent).free / 2**30
+                facts = "; ".join(f for f in (error.strerror or str(error), free_space(self.building.parent)) if f)
                 raise TrainingFailed(
-                    f"cannot write the data cache under {self.building.parent} ({error.strerror or error}; {free:.1f} "
-                    "GiB free): free disk space, set cache_dir to a disk with room, or data.cache=false"
+                    f"cannot write the data cache under {self.building.parent} ({facts}): free disk space, set "
+                    "cache_dir to a disk with room, or data.cache=false"
                 ) from error
+            written.files = {file.name: fingerprint(file, CHECKSUM) for file in sorted(tmp.iterdir())}
             (tmp / SHARD_FILE).write_text(json.dumps(written.to_json()) + "\n")  # last: marks it complete
             try:
                 os.rename(tmp, self.shard_dir(number))
@@ -364,9 +450,12 @@ class _ShardBuild:
         self.run(range(self.shards), progress=False)
         shards = [_Written.from_json(_read_json(self.shard_dir(n) / SHARD_FILE) or {}) for n in range(self.shards)]
         meta = _meta(key, model, self.records, shards, self.encode, round(time.perf_counter() - started, 3))
-        for leftover in (self.building / "shards").glob(".*"):  # temporary shards of killed builds
+        for leftover in (self.building / SHARDS_DIR).glob(".*"):  # temporary shards of killed builds
             shutil.rmtree(leftover, ignore_errors=True)
         _write_records(self.building, shards)
+        files = {f"{SHARDS_DIR}/{n:05d}/{name}": held for n, s in enumerate(shards) for name, held in s.files.items()}
+        files.update({name: fingerprint(self.building / name, CHECKSUM) for name in (RECORDS_FILE, IDS_FILE)})
+        meta["files"] = files
         (self.building / META_FILE).write_text(json.dumps(meta) + "\n")  # last: its presence marks a complete cache
         self.building.chmod(0o755)
         try:
@@ -488,6 +577,7 @@ class _Written:
     skip_log: list[dict] = field(default_factory=list)  # each record not written, and why
     too_long_example: str = ""  # the first record over data.max_length, and why
     layout: dict[str, list] = field(default_factory=dict)  # tensor name -> [dtype, trailing shape]
+    files: dict[str, dict] = field(default_factory=dict)  # file name -> its manifest.fingerprint (xxh3_128)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -623,7 +713,7 @@ class CachedDataset(Dataset):
         self._maps: list[dict[str, np.ndarray]] | None = None  # opened lazily, in each worker
 
     def _shard(self, number: int) -> Path:
-        return self.path / "shards" / f"{number:05d}"
+        return self.path / SHARDS_DIR / f"{number:05d}"
 
     def __len__(self) -> int:
         return self._length

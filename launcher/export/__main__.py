@@ -2,6 +2,10 @@
 
 import sys
 
-from launcher.export.export import main
+from launcher.core.logs import route_library_logs
+
+route_library_logs()  # before deepspeed is imported: its "Setting accelerator to CPU" is noise here
+
+from launcher.export.export import main  # noqa: E402
 
 sys.exit(main())

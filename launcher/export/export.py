@@ -206,6 +206,11 @@ def load_source(directory: RunDir, cfg: Config, checkpoint: str | None) -> Sourc
             "or one that saved a checkpoint (train.save_every=N)"
         )
     original = tag.removeprefix(f"{UNIVERSAL_DIR}/")  # a universal copy: its original holds the marker
+    if Path(original).name != original or original in ("", ".", ".."):
+        raise LauncherError(
+            f"--checkpoint {tag}: a checkpoint tag is a folder name in {directory.checkpoints} (step200, or "
+            f"{UNIVERSAL_DIR}/step200 for a universal copy), not a path"
+        )
     complete_copy = tag == original or universal.is_universal(directory.checkpoint(tag))
     if not (complete_copy and directory.marker(original).is_file()):
         complete = [t for _, t in complete_tags(directory)] if saved else []

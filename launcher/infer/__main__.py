@@ -1,5 +1,9 @@
 import sys
 
-from launcher.infer.infer import main
+from launcher.core.logs import route_library_logs
+
+route_library_logs()  # before deepspeed is imported: its "Setting accelerator to CPU" is noise here
+
+from launcher.infer.infer import main  # noqa: E402
 
 sys.exit(main())

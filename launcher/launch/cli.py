@@ -9,6 +9,7 @@ the command line is checked; an interpolation (`${now:...}`) is checked up to wh
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -73,6 +74,19 @@ def composition_refused(argv: Sequence[str]) -> str | None:
     except ConfigNotComposed as err:
         return str(err)
     return None
+
+
+def slurm_missing(argv: Sequence[str]) -> str | None:
+    """The line for a sweep submitted through SLURM (`-m dist=slurm`) from a machine without SLURM's `srun`,
+    or None; submitit raises there, and Hydra prints its 25-line traceback."""
+    if not runs_a_job(argv) or not is_multirun(argv) or argument(argv, "dist") != "slurm":
+        return None
+    if shutil.which("srun") is not None:
+        return None
+    return (
+        "dist=slurm submits each job to SLURM, and this machine has no SLURM (no srun on PATH): run the command "
+        "on a SLURM login node, or here with dist=local (one process per rank on this machine) or dist=torchrun"
+    )
 
 
 def _claimed(run_dir: RunDir, key: str) -> str | None:

@@ -13,12 +13,10 @@ and the other tasks wait for its plan (launcher.launch.slurm).
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import math
 import os
-import shutil
 import sys
 import time
 import traceback
@@ -36,7 +34,8 @@ from launcher.config.ranges import check_config
 from launcher.config.schema import Config, typed
 from launcher.core import credentials, logs
 from launcher.core.checkpoints import read_marker
-from launcher.core.errors import Interrupted, LauncherError, TrainingFailed, one_line
+from launcher.core.disk import free_space
+from launcher.core.errors import DeviceLacks, Interrupted, LauncherError, TrainingFailed, one_line
 from launcher.core.json_files import write_json_atomic
 from launcher.core.rank_errors import record_rank_error
 from launcher.core.rundir import RunDir
@@ -63,7 +62,9 @@ class Outcome:
     """How a job ended: what train.py prints and exits with, and what a sweep or the tuner reads."""
 
     run_dir: Path
-    status: str  # completed | preempted | failed | interrupted | planned (a dry run) | finished (nothing left)
+    # completed | preempted | failed | interrupted | planned (a dry run) | finished (nothing left) | skipped (a
+    # sweep's point this device cannot run)
+    status: str
     exit_code: int = 0
     error: str | None = None  # the one line of a job that failed
     summary: Summary | None = None
@@ -82,7 +83,7 @@ class Outcome:
     def lines(self) -> list[tuple[str, bool]]:
         """(line, to stderr) to show once the job is over: its error, a preemption, a dry run's dict."""
         if self.error is not None:
-            return [(f"error: {self.error}", True)]
+            return [(f"{'skipped' if self.status == 'skipped' else 'error'}: {self.error}", True)]
         if self.status == "preempted" and self.summary is not None:
             return [(f"preempted after step {self.summary.steps}: resume with resume={self.run_dir}", True)]
         if self.status == "planned" and self.ds_config is not None:
@@ -162,8 +163,9 @@ def _cannot_write(err: OSError, run_dir: Path) -> TrainingFailed | None:
         return None
     where = Path(str(err.filename)) if err.filename else run_dir
     facts = [err.strerror or str(err)]
-    with contextlib.suppress(OSError):
-        facts.append(f"{shutil.disk_usage(where.parent).free / 2**20:.1f} MiB free there")
+    free = free_space(where.parent)
+    if free is not None:
+        facts.append(f"{free} there")
     return TrainingFailed(
         f"cannot write {where} ({'; '.join(facts)}): free disk space, or put hydra.run.dir on a writable disk with "
         "room; nothing incomplete is resumed from"
@@ -279,6 +281,8 @@ class _Attempt:
             self.say(traceback.format_exc().rstrip())
         message = one_line(err)
         status = "interrupted" if isinstance(err, Interrupted) else "failed"
+        if isinstance(err, DeviceLacks) and self.hydra.multirun:  # one point of the sweep this device lacks
+            status = "skipped"
         if self.accepted:
             labels, _ = credentials.split(
                 {"overrides": list(self.hydra.overrides), "choices": dict(self.hydra.choices)}

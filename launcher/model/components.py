@@ -42,8 +42,21 @@ def _first_attribute(module: nn.Module | None, *names: str) -> nn.Module | None:
     return None
 
 
-def _parameters(modules: list[nn.Module], exclude: set[int] = frozenset()) -> dict[int, nn.Parameter]:
-    return {id(p): p for module in modules for p in module.parameters() if id(p) not in exclude}
+# peft keeps a module it trains in full beside LoRA (modules_to_save: the projector) twice: the frozen
+# original, which the forward no longer reads, and the trained copy. The model's parameters count the copy
+# alone; the memory planner counts both (both are held).
+_REPLACED = "original_module."
+
+
+def _parameters(
+    modules: list[nn.Module], exclude: set[int] = frozenset(), *, replaced: bool = True
+) -> dict[int, nn.Parameter]:
+    return {
+        id(p): p
+        for module in modules
+        for name, p in module.named_parameters()
+        if id(p) not in exclude and (replaced or _REPLACED not in name)
+    }
 
 
 def _numel(parameter: nn.Parameter) -> int:
@@ -51,32 +64,35 @@ def _numel(parameter: nn.Parameter) -> int:
     return int(getattr(parameter, "ds_numel", parameter.numel()))
 
 
-def apply_freeze(model: nn.Module, *, vision: bool, projector: bool, language: bool) -> dict[str, int]:
+def apply_freeze(
+    model: nn.Module, *, vision: bool, projector: bool, language: bool, replaced: bool = True
+) -> dict[str, int]:
     """Freeze the chosen components (requires_grad=False) and return parameter counts.
 
     Returns {"vision", "projector", "language", "trainable", "total"}; a parameter shared between
-    components (tied embeddings) is counted once, in the first component that holds it.
+    components (tied embeddings) is counted once, in the first component that holds it. `replaced`: count
+    the frozen originals peft keeps beside a module it trains in full (memory held, not computed with).
     """
     freeze = {"vision": vision, "projector": projector, "language": language}
     counts: dict[str, int] = {}
     seen: set[int] = set()
     # The projector first: for Qwen2-VL it sits inside the vision module and must not count as vision.
     for name, modules in sorted(model_components(model).items(), key=lambda item: item[0] != "projector"):
-        parameters = _parameters(modules, exclude=seen)
+        parameters = _parameters(modules, exclude=seen, replaced=replaced)
         seen.update(parameters)
         counts[name] = sum(_numel(p) for p in parameters.values())
         if freeze[name]:
             for parameter in parameters.values():
                 parameter.requires_grad_(False)
-    unique = _parameters([model])
+    unique = _parameters([model], replaced=replaced)
     counts["trainable"] = sum(_numel(p) for p in unique.values() if p.requires_grad)
     counts["total"] = sum(_numel(p) for p in unique.values())
     return {key: counts[key] for key in ("vision", "projector", "language", "trainable", "total")}
 
 
-def component_parameter_counts(model: nn.Module) -> dict[str, int]:
+def component_parameter_counts(model: nn.Module, *, replaced: bool = False) -> dict[str, int]:
     """Parameter counts per component, as `apply_freeze` returns them, without freezing anything."""
-    return apply_freeze(model, vision=False, projector=False, language=False)
+    return apply_freeze(model, vision=False, projector=False, language=False, replaced=replaced)
 
 
 def enable_gradient_checkpointing(model: nn.Module, *, language: bool, vision: bool) -> list[str]:

@@ -227,9 +227,10 @@ def check_adapter_targets(model: nn.Module, cfg: Any) -> None:
     modules_to_save(model, cfg.method, cfg.model)
 
 
-def parameter_counts(model: nn.Module) -> dict[str, int]:
-    """Parameters per component, trainable and total, of a plain or a peft model (adapters included)."""
-    return component_parameter_counts(base_model(model))
+def parameter_counts(model: nn.Module, *, held: bool = False) -> dict[str, int]:
+    """Parameters per component, trainable and total, of a plain or a peft model (adapters included; `held`:
+    peft's frozen original of a module it trains in full too, which memory holds but the forward skips)."""
+    return component_parameter_counts(base_model(model), replaced=held)
 
 
 def trainable_components(model: nn.Module) -> set[str]:

@@ -133,7 +133,7 @@ def model_stats(cfg: Config, *, path: str | None = None) -> ModelStats:
     counts = apply_freeze(model, **freeze)
     if uses_adapters(cfg.method):  # LoRA on the meta model: adapters counted, nothing allocated
         model = apply_method(model, cfg.method, cfg.model).get_base_model()
-        counts = parameter_counts(model)
+        counts = parameter_counts(model, held=True)  # memory holds peft's frozen originals too
         trains = trainable_components(model)
         freeze = {name: name not in trains for name in freeze}
     try:

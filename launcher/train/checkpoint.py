@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from launcher.core.checkpoints import CheckpointMarker, prune, saved_files, tag_for, write_latest, write_marker
+from launcher.core.disk import free_space
 from launcher.core.errors import TrainingFailed, one_line
 from launcher.core.rundir import RunDir
 from launcher.core.signals import STOP_SIGNALS, pause_for_test, received
@@ -196,8 +197,9 @@ def _write_failure_message(where: Path, err: BaseException, what: str = "checkpo
     # torch's writer says only "unexpected pos ..."; the errno of the short write is lost.
     reason = err.strerror if isinstance(err, OSError) and err.strerror else "a write stopped part-way"
     facts = [reason]
-    with contextlib.suppress(OSError):
-        facts.append(f"{shutil.disk_usage(where.parent).free / 2**30:.1f} GiB free there")
+    free = free_space(where.parent)
+    if free is not None:
+        facts.append(f"{free} there")
     soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
     if soft != resource.RLIM_INFINITY:
         facts.append(f"file size limit (ulimit -f) {soft / 2**20:.0f} MiB")

@@ -243,14 +243,13 @@ def load_model(
     summary.method, summary.attn_implementation, summary.base_model = str(method.name), attention, job.model_path
     if rank.is_main:
         log.info(
-            "model %s (%s, attention %s): %d of %d parameters train (%.2f%%); %s",
+            "model %s (%s, attention %s): %s of %s parameters train (%.2f%%): vision %s, projector %s, language %s",
             path,
             method.name,
             attention,
-            counts["trainable"],
-            counts["total"],
+            *(f"{counts[key]:,}" for key in ("trainable", "total")),
             100 * summary.trainable_fraction,
-            counts,
+            *(f"{counts[key]:,}" for key in ("vision", "projector", "language")),
         )
     del hf_ds_config  # alive until here, as before the QLoRA skeleton: adding the adapters asks it too
     return model, processor

@@ -25,6 +25,11 @@ def evaluation_due(job: Job, step: int) -> bool:
     return bool(every and step % every == 0) or step == job.max_steps
 
 
+def eval_line(metrics: dict[str, float]) -> str:
+    """The terminal's evaluation line, as the step lines read: "eval | loss 3.8997 | accuracy 0.0150"."""
+    return " | ".join(["eval", *(f"{name.removeprefix('eval/')} {value:.4f}" for name, value in metrics.items())])
+
+
 @torch.no_grad()
 def evaluate(
     job: Job,
@@ -61,5 +66,5 @@ def evaluate(
         metrics["eval/accuracy"] = correct / max(total, 1.0)
     ds.train()
     if rank.is_main and metrics:
-        log.info("eval: %s", {k: round(v, 4) for k, v in metrics.items()})
+        log.info("%s", eval_line(metrics))
     return metrics, stop_votes > 0

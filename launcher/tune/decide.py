@@ -36,6 +36,10 @@ class Result:
     cpu_s: float | None = None  # CPU time of its ranks
     run_dir: str | None = None
     ds_config: dict[str, Any] | None = None
+    # Real tokens/s of each run, the first and the confirmation runs (tokens_per_s: their median).
+    runs: list[float] = field(default_factory=list)
+    step_spread: float | None = None  # (max - min) / median of the measured steps' real tokens/s, first run
+    others_cpu: float | None = None  # the largest share of the machine's CPUs other processes used before a run
 
     @property
     def name(self) -> str:
@@ -146,6 +150,72 @@ def loss_mismatches(results: Sequence[Result], tolerance: float, low_precision_t
                 )
                 break
     return wrong
+
+
+# ================================================================================ noise
+BUSY = 0.2  # other processes using more than this share of the CPUs make a measurement suspect
+
+
+def step_spread(step_rates: Sequence[float]) -> float | None:
+    """(max - min) / median of the measured steps' real tokens/s: how much one run's steps disagree."""
+    rates = [rate for rate in step_rates if rate > 0]
+    if len(rates) < 2:
+        return None
+    return (max(rates) - min(rates)) / statistics.median(rates)
+
+
+def contenders(results: Sequence[Result], top: int) -> list[Result]:
+    """The `top` fastest candidates that fit, fastest first: those a confirmation round measures again."""
+    pool = [r for r in results if r.status == "fits" and r.tokens_per_s]
+    return sorted(pool, key=lambda r: -(r.tokens_per_s or 0.0))[:top]
+
+
+def merge_rerun(result: Result, rerun: Result) -> None:
+    """Fold a confirmation run into its candidate: real tokens/s becomes the median of the runs (samples/s
+    scaled alike: the same records in the same order), the peak the larger. A rerun that did not fit or
+    failed makes the candidate that: a pick that fits only sometimes is no pick."""
+    if rerun.others_cpu is not None:
+        result.others_cpu = max(result.others_cpu or 0.0, rerun.others_cpu)
+    if rerun.status != "fits" or not rerun.tokens_per_s or not result.tokens_per_s:
+        result.status, result.note = rerun.status, f"in confirmation run {len(result.runs) + 1}: {rerun.note}"
+        result.peak = max(result.peak or 0, rerun.peak or 0) or None
+        return
+    first = result.runs[0] if result.runs else result.tokens_per_s
+    result.runs = [*(result.runs or [first]), rerun.tokens_per_s]
+    median = statistics.median(result.runs)
+    if result.samples_per_s is not None:
+        result.samples_per_s *= median / result.tokens_per_s
+    result.tokens_per_s = median
+    result.peak = max(result.peak or 0, rerun.peak or 0) or None
+
+
+def noise_lines(results: Sequence[Result]) -> list[str]:
+    """What the runs say about the measurements' noise: the confirmed candidates' runs, whether the pick
+    stands clear of the next, and candidates measured while the machine was busy."""
+    lines = []
+    confirmed = [r for r in results if len(r.runs) > 1]
+    for r in sorted(confirmed, key=lambda r: -(r.tokens_per_s or 0.0)):
+        runs = ", ".join(f"{rate:.0f}" for rate in r.runs)
+        lines.append(f"{r.name}: {len(r.runs)} runs, real tokens/s {runs}; median {r.tokens_per_s:.0f}")
+    best = pick(results)
+    rivals = [r for r in confirmed if r is not best and r.status == "fits"]
+    if best is not None and len(best.runs) > 1 and rivals:
+        rival = max(rivals, key=lambda r: r.tokens_per_s or 0.0)
+        if min(best.runs) > max(rival.runs):
+            lines.append(f"the pick is clear: every run of {best.name} beat every run of {rival.name}")
+        else:
+            lines.append(
+                f"the pick is within the noise: runs of {best.name} and {rival.name} overlap; either will do, "
+                "and a quieter machine (or tune.measure_steps) can tell them apart"
+            )
+    busy = [r for r in results if r.others_cpu is not None and r.others_cpu > BUSY]
+    if busy:
+        worst = max(busy, key=lambda r: r.others_cpu or 0.0)
+        lines.append(
+            f"the machine was busy: other processes used up to {worst.others_cpu:.0%} of its CPUs before "
+            f"{len(busy)} candidate run(s) ({worst.name}'s); their figures are suspect: tune on a quiet machine"
+        )
+    return lines
 
 
 def pareto_front(results: Sequence[Result]) -> list[Result]:

@@ -15,7 +15,7 @@ from typing import Any
 from launcher.config.compose import CONF_DIR
 from launcher.core.credentials import recorded_override, redact_override
 from launcher.core.json_files import write_text_atomic
-from launcher.tune.decide import STATUS_ORDER, MiB, Result, ordered, pareto_front, pick, planner_lines
+from launcher.tune.decide import STATUS_ORDER, MiB, Result, noise_lines, ordered, pareto_front, pick, planner_lines
 
 # ================================================================================ reports
 CSV_COLUMNS = (
@@ -30,6 +30,9 @@ CSV_COLUMNS = (
     "planned_mib",
     "measured_over_planned",
     "measured_steps",
+    "runs_tokens_per_s",
+    "step_spread",
+    "others_cpu",
     "wall_s",
     "rank_cpu_s",
     "first_loss",
@@ -56,6 +59,9 @@ def table_rows(results: Sequence[Result], global_batch: int) -> list[dict[str, A
                 "planned_mib": None if r.planned is None else round(r.planned / MiB, 1),
                 "measured_over_planned": round(r.peak / r.planned, 3) if r.peak and r.planned else None,
                 "measured_steps": r.steps,
+                "runs_tokens_per_s": " ".join(f"{rate:.1f}" for rate in r.runs) if len(r.runs) > 1 else None,
+                "step_spread": None if r.step_spread is None else round(r.step_spread, 3),
+                "others_cpu": None if r.others_cpu is None else round(r.others_cpu, 3),
                 "wall_s": r.wall_s,
                 "rank_cpu_s": r.cpu_s,
                 "first_loss": r.losses[0] if r.losses else None,
@@ -162,6 +168,9 @@ def report(t: Tuning) -> str:
             f"best.yaml: {t.best_check}" if t.best_check else "",
         ]
     lines += ["", "## Candidates (fastest first)", "", markdown_table(rows), ""]
+    noise = noise_lines(t.results)
+    if noise:
+        lines += ["## Noise", "", *(f"- {line}" for line in noise), ""]
     lines += ["## The planner, checked", "", *planner_lines(t.results), ""]
     lines += [
         "## How",
@@ -177,6 +186,9 @@ def report(t: Tuning) -> str:
         "Dominated: stopped once a measured candidate "
         "was faster by more than tune.skip_margin while using no more memory than this one already had. "
         "Wrong: first losses differ from the reference candidate's (same precision and micro batch). "
+        "Confirmation: the tune.confirm_top fastest that fit run tune.confirm_runs times more, in turn, and each "
+        "is the median of its runs; before each run the machine is sampled for 0.5 s, and a run that found "
+        "other processes using more than 20% of its CPUs is never stopped as dominated and is named under Noise. "
         "tune.png: throughput against peak memory; the Pareto front joined.",
         "",
     ]
@@ -188,7 +200,12 @@ def describe(result: Result) -> str:
     if result.tokens_per_s:
         figures = f" {result.tokens_per_s:.0f} real tokens/s ({result.samples_per_s or 0:.2f} samples/s"
         figures += f", {result.padding_frac:.1%} padding)" if result.padding_frac is not None else ")"
-        figures += f" over {result.steps} steps,"
+        figures += f" over {result.steps} steps"
+        if len(result.runs) > 1:
+            figures += f", median of {len(result.runs)} runs ({min(result.runs):.0f}-{max(result.runs):.0f})"
+        elif result.step_spread is not None:
+            figures += f" (steps within {result.step_spread:.0%})"
+        figures += ","
     peak = f" peak {result.peak / MiB:.0f} MiB" if result.peak else ""
     planned = f" (planned {result.planned / MiB:.0f})" if result.planned else ""
     note = f"; {result.note}" if result.note else ""

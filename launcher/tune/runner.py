@@ -19,18 +19,20 @@ from launcher.config.compose import compose
 from launcher.config.schema import TuneConfig
 from launcher.core.errors import Interrupted
 from launcher.core.json_files import write_text_atomic
+from launcher.core.overrides import override_key
 from launcher.core.rundir import RunDir
 from launcher.core.summary import Summary
 from launcher.job.spec import HydraJob
 from launcher.launch.ranks import WORKER
 from launcher.launch.run import Outcome, run_job
 from launcher.train.distributed import CUDA_MEMORY_CAP_ENV
-from launcher.tune.decide import GiB, MiB, Result, dominating
+from launcher.tune.decide import BUSY, GiB, MiB, Result, dominating, step_spread
 from launcher.tune.report import Tuning
 
 # Test hook: "NAME:KEY=VALUE" adds KEY=VALUE to the environment of candidate NAME only (tests force a
 # crash or a memory overrun on one candidate with launcher.recipe's fault hook).
 CANDIDATE_ENV = "LAUNCHER_TEST_TUNE_ENV"
+OTHERS_SAMPLE_S = 0.5  # how long the machine is sampled, idle of the tuner's own work, before each candidate
 
 
 # ================================================================================ running a candidate
@@ -162,16 +164,36 @@ def _candidate_env(name: str) -> dict[str, str]:
     return env
 
 
-def run_candidate(t: Tuning, result: Result, tune_cfg: TuneConfig) -> None:
+def _cache_checked(t: Tuning, result: Result) -> bool:
+    """Whether a candidate before `result` ran (and so checked the data cache), the job leaving
+    data.cache_check to the tuner."""
+    if any(override_key(o) == "data.cache_check" for o in t.base):
+        return False
+    # A confirmation run is in no list: every candidate ran before it.
+    earlier = t.results[: next((i for i, other in enumerate(t.results) if other is result), len(t.results))]
+    return any(other.run_dir for other in earlier)
+
+
+def others_cpu_share(seconds: float = OTHERS_SAMPLE_S) -> float:
+    """The share of the machine's CPUs busy over `seconds` while the tuner runs nothing: other processes'.
+    A candidate measured while others use much of the machine measures them too (issue 44: a loaded 2-core
+    machine made ZeRO-2 with CPU offload the pick for a model ZeRO-0 trains 10x faster)."""
+    import psutil
+
+    return psutil.cpu_percent(interval=seconds) / 100.0
+
+
+def run_candidate(t: Tuning, result: Result, tune_cfg: TuneConfig, *, run_name: str | None = None) -> None:
     """Run one candidate as train.py would, watch its memory and steps, stop it once measured; sets the
-    result's status, figures and note.
+    result's status, figures and note. `run_name`: its run directory and log (a confirmation run's own).
 
     The job runs in this process (`launcher.launch.run.run_job`, the code behind train.py, which starts
     the ranks as child processes): the tuner pays the launcher's imports once, not per candidate. Its
     lines and its ranks' output go to the candidate's log file."""
     candidate = result.candidate
-    run_dir = RunDir(t.directory / "runs" / candidate.name)
-    log_file = t.directory / "logs" / f"{candidate.name}.log"
+    run_name = run_name or candidate.name
+    run_dir = RunDir(t.directory / "runs" / run_name)
+    log_file = t.directory / "logs" / f"{run_name}.log"
     log_file.parent.mkdir(parents=True, exist_ok=True)
     overrides = [
         *t.base,
@@ -185,6 +207,9 @@ def run_candidate(t: Tuning, result: Result, tune_cfg: TuneConfig) -> None:
         "data.eval_accuracy=false",
         "logger=none",
         "preflight=off",
+        # The first candidate to run checks the data cache's checksums (or builds it); the others, which read
+        # the same cache moments later, its files' sizes.
+        *(["data.cache_check=sizes"] if _cache_checked(t, result) else []),
     ]
     choices = {"deepspeed": candidate.preset, "precision": candidate.precision}
     job = HydraJob(run_dir=run_dir.path, overrides=tuple(overrides), choices=choices, multirun=True, group="tune")
@@ -197,8 +222,9 @@ def run_candidate(t: Tuning, result: Result, tune_cfg: TuneConfig) -> None:
         with log_file.open("a") as log:
             log.write(line + "\n")
 
+    result.others_cpu = others_cpu_share()
     started = time.time()
-    watcher = _Watcher(t, run_dir, tune_cfg, started)
+    watcher = _Watcher(t, run_dir, tune_cfg, started, busy=result.others_cpu > BUSY)
     watcher.start()
     try:
         outcome = run_job(compose(overrides), job, say=to_log, rank_env=rank_env, output=log_file)
@@ -216,8 +242,8 @@ class _Watcher:
     """A thread that polls a running candidate's ranks (memory, CPU time) and metrics.jsonl every 50 ms and
     ends the ranks (SIGKILL) once the candidate is measured, over the budget, dominated or too slow."""
 
-    def __init__(self, t: Tuning, run_dir: RunDir, tune_cfg: TuneConfig, started: float) -> None:
-        self.t, self.run_dir, self.tune_cfg, self.started = t, run_dir, tune_cfg, started
+    def __init__(self, t: Tuning, run_dir: RunDir, tune_cfg: TuneConfig, started: float, busy: bool = False) -> None:
+        self.t, self.run_dir, self.tune_cfg, self.started, self.busy = t, run_dir, tune_cfg, started, busy
         self.watch = Watch()
         self.decided: list[tuple[str, str]] = []  # (status, note) when the tuner ended the candidate
         self._done = threading.Event()
@@ -247,7 +273,7 @@ class _Watcher:
             if self.decided:
                 kill_ranks(os.getpid())  # again: a rank may have been starting the first time
                 continue
-            verdict = _verdict(self.t, self.watch, new, self.started, self.tune_cfg)
+            verdict = _verdict(self.t, self.watch, new, self.started, self.tune_cfg, busy=self.busy)
             if verdict is not None:
                 self.decided.append(verdict)
                 status, note = verdict
@@ -278,6 +304,9 @@ def _settle(
             figures.steps,
         )
         result.padding_frac, result.mfu = figures.padding_frac, figures.mfu
+        result.runs = [figures.tokens_per_s]
+        measured = [r for r in watch.records if int(r["step"]) > warmup and r.get("perf/step_time_s")]
+        result.step_spread = step_spread([float(r.get("perf/tokens_per_sec") or 0) for r in measured])
     summary = watcher.run_dir.read_summary() or Summary(status="failed")
     error = outcome.error or summary.error
     # Preempted or interrupted: a stop signal reached the job (the tuner's own kills are SIGKILLs, which end
@@ -298,8 +327,11 @@ def _settle(
         result.peak = None  # a process that trained no step: its start-up's few MiB are no peak of this candidate
 
 
-def _verdict(t: Tuning, watch: Watch, new: list[dict[str, Any]], started: float, tc: Any) -> tuple[str, str] | None:
-    """Whether to end a running candidate now, and as what."""
+def _verdict(
+    t: Tuning, watch: Watch, new: list[dict[str, Any]], started: float, tc: Any, *, busy: bool = False
+) -> tuple[str, str] | None:
+    """Whether to end a running candidate now, and as what. `busy`: other processes were using the machine
+    when it started; its speed then says little, and it is not stopped as dominated."""
     warmup, steps = int(tc.warmup_steps), int(tc.measure_steps)
     if watch.peak > t.budget:
         return (
@@ -311,7 +343,7 @@ def _verdict(t: Tuning, watch: Watch, new: list[dict[str, Any]], started: float,
         return ("fits", "")
     if time.time() - started > float(tc.candidate_timeout_s):
         return ("failed", f"did not finish within tune.candidate_timeout_s={tc.candidate_timeout_s:g} s")
-    if new and tc.early_skip:
+    if new and tc.early_skip and not busy:
         so_far = measure(watch.records, warmup, t.global_batch)
         if so_far is not None:
             # One measured step is noisier than two: it must lose by twice the margin.

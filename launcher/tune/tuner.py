@@ -30,6 +30,7 @@ pure functions below; running children, polling their memory and logging are at 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -58,7 +59,19 @@ from launcher.plan.memory import PRESETS, Target, estimate, layout_from_ds_confi
 from launcher.plan.report import target_device
 from launcher.tracking.naming import has_credentials, resolve_mode
 from launcher.tracking.wandb_run import WandbRun
-from launcher.tune.decide import GiB, MiB, Result, loss_mismatches, pick, planner_lines, prune_reason, skip_reason
+from launcher.tune.decide import (
+    GiB,
+    MiB,
+    Result,
+    contenders,
+    loss_mismatches,
+    merge_rerun,
+    noise_lines,
+    pick,
+    planner_lines,
+    prune_reason,
+    skip_reason,
+)
 from launcher.tune.report import CSV_COLUMNS, Tuning, describe, table_rows, write_outputs, write_plot
 from launcher.tune.runner import error_line, run_candidate
 from launcher.tune.space import base_overrides, default_micro_batch_sizes, search_space
@@ -116,6 +129,7 @@ def tune(overrides: Sequence[str], *, echo: Callable[[str], None] = print) -> Tu
                 result.status, result.note = "wrong", wrong[result.name]
             echo(f"{where} {describe(result)}")
         write_outputs(t)
+    confirm(t, tc, echo)
     t.wall_s = round(time.time() - t.started, 1)
     t.cpu_s = round(sum(r.cpu_s or 0 for r in t.results) + _own_cpu_s(), 1)
     best = pick(t.results)
@@ -124,6 +138,30 @@ def tune(overrides: Sequence[str], *, echo: Callable[[str], None] = print) -> Tu
         t.best_check = check_best(t, best)
     write_outputs(t)
     return t
+
+
+def confirm(t: Tuning, tc: Any, echo: Callable[[str], None]) -> None:
+    """Measure the fastest candidates again, in turn (A, B, C, A, B, C, ...), none stopped as dominated:
+    each becomes the median of its runs, and tune.md says whether the pick stands clear of the next."""
+    top = contenders(t.results, int(tc.confirm_top))
+    if int(tc.confirm_runs) < 1 or len(top) < 2:
+        return
+    echo(
+        f"confirm: {', '.join(r.name for r in top)} run {int(tc.confirm_runs)} more time(s) each, in turn "
+        "(tune.confirm_runs, tune.confirm_top): one run on a busy machine can mislead"
+    )
+    measuring = dataclasses.replace(tc, early_skip=False)
+    for number in range(2, int(tc.confirm_runs) + 2):
+        for result in top:
+            if result.status != "fits":
+                continue
+            rerun = Result(result.candidate, planned=result.planned, components=result.components)
+            run_candidate(t, rerun, measuring, run_name=f"{result.name}-run{number}")
+            merge_rerun(result, rerun)
+            echo(f"[confirm {number}] {describe(rerun)}")
+            write_outputs(t)
+    for line in noise_lines(t.results):
+        echo(f"confirm: {line}")
 
 
 def _tuning(cfg: Config, overrides: Sequence[str]) -> Tuning:

@@ -58,3 +58,21 @@ def test_a_preempted_job_is_no_failure_and_the_sweep_exits_as_a_preemption(monke
     )
     monkeypatch.setattr(sweep_module, "_failed", [("0", "preempted"), ("2", ERROR)])
     assert failed_sweep_line() == ("1 job(s) of the sweep failed (job 2; errors above)", 1)
+
+
+def test_a_job_the_device_cannot_run_is_skipped_not_failed(sweep: Path) -> None:
+    """experiment=precision_sweep's fp16 job on a CPU without fp16 (launcher.core.errors.DeviceLacks) exited the
+    sweep 1 (issue 44): it is recorded "skipped", shown in the table, and fails nothing."""
+    from launcher.core.rundir import RunDir
+    from launcher.core.summary import Summary
+    from launcher.launch.run import Outcome
+
+    job = RunDir(sweep / "4")
+    job.path.mkdir()
+    summary = Summary(status="running")
+    summary.failed("precision=fp16 is not supported on this cpu: use precision=bf16 or precision=fp32", wall_s=1.0,
+                   status="skipped")  # fmt: skip
+    job.write_summary(summary)
+    assert failed_jobs(sweep) == [("2", ERROR)]
+    outcome = Outcome(job.path, "skipped", 2, summary.error)
+    assert outcome.lines() == [(f"skipped: {summary.error}", True)]

@@ -21,7 +21,7 @@ from launcher.config.precision import (
     resolve_precision,
     with_bf16_spelling,
 )
-from launcher.core.errors import LauncherError
+from launcher.core.errors import DeviceLacks, LauncherError
 from launcher.core.rundir import RunDir
 from tests.helpers import QUICK, ROOT
 
@@ -77,8 +77,10 @@ def test_precision_resolves_against_the_device(requested, device, expected):
 
 
 def test_fp16_on_cpu_is_refused_with_the_alternatives():
-    with pytest.raises(LauncherError, match="precision=fp16 is not supported on this cpu: use precision=bf16 or"):
+    """As DeviceLacks: one job exits 2 with the line; a sweep records that job as skipped (tests/unit/compare)."""
+    with pytest.raises(DeviceLacks, match="precision=fp16 is not supported on this cpu: use precision=bf16 or"):
         resolve_precision("fp16", CPU)
+    assert issubclass(DeviceLacks, LauncherError) and DeviceLacks.exit_code == 2
 
 
 def test_bf16_on_a_gpu_without_it_suggests_fp16():

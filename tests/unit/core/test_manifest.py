@@ -25,3 +25,17 @@ def test_damage_names_what_differs_from_the_manifest(tmp_path):
     assert damage(file, None) is None  # an older manifest without a record: its presence only
     file.unlink()
     assert damage(file, recorded) == "missing" and damage(file, None) == "missing"
+
+
+def test_the_data_caches_fast_checksum_is_xxh3_and_damage_reads_whichever_was_recorded(tmp_path):
+    import xxhash
+
+    file = tmp_path / "input_ids.bin"
+    file.write_bytes(bytes(range(256)) * 40_000)  # ~10 MiB: more than one read block
+    recorded = fingerprint(file, "xxh3_128")
+    assert recorded == {"bytes": 10_240_000, "xxh3_128": xxhash.xxh3_128(file.read_bytes()).hexdigest()}
+    assert damage(file, recorded) is None
+    data = bytearray(file.read_bytes())
+    data[9_000_000] ^= 0x80
+    file.write_bytes(bytes(data))
+    assert damage(file, recorded) == "its checksum differs from the manifest's (bytes changed)"

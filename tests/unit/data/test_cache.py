@@ -43,6 +43,7 @@ def build(
     load=None,
     part: Part | None = None,
     shard_records: int = 5,  # several shards of the 12 records
+    check: str = "checksums",
 ):
     return ensure_cache(
         tmp_path / "data_cache",
@@ -55,6 +56,7 @@ def build(
         num_workers=0,
         part=part or Part(),
         shard_records=shard_records,
+        check=check,
     )
 
 
@@ -280,6 +282,99 @@ def test_a_killed_build_resumes_from_its_complete_shards(tmp_path, mixed_records
     assert loaded == list(range(5, 12))  # shard 0 (records 0-4) was complete
     assert info.built and info.records == 12
     assert [p.name for p in (tmp_path / "data_cache").iterdir()] == [info.path.name]  # no leftovers
+
+
+@pytest.mark.parametrize(
+    "damage_to",
+    ["flip a byte of shard 1's tokens", "cut shard 2's tokens short", "delete shard 0's offsets", "flip the ids"],
+)
+def test_a_damaged_cache_is_named_and_only_its_damaged_shards_are_built_again(
+    tmp_path, mixed_records, model_and_processor, caplog, damage_to
+):
+    """Nothing trains on damaged bytes (issue 42): every start checks the files against meta.json's sizes and
+    checksums; a damaged shard is built again, the intact ones kept, and the cache reads as it was built."""
+    _, processor = model_and_processor
+    records = ConversationDataset(mixed_records)
+    first = build(tmp_path, mixed_records, processor)
+    expected = _tensors(CachedDataset(first.path, processor))
+    shards = first.path / "shards"
+    if damage_to.startswith("flip a byte"):
+        target, rebuilt = shards / "00001" / "input_ids.bin", [5, 6, 7, 8, 9]
+        data = bytearray(target.read_bytes())
+        data[3] ^= 0x01  # the same size: only the checksum can tell
+        target.write_bytes(bytes(data))
+    elif damage_to.startswith("cut"):
+        target, rebuilt = shards / "00002" / "input_ids.bin", [10, 11]
+        target.write_bytes(target.read_bytes()[:-4])
+    elif damage_to.startswith("delete"):
+        target, rebuilt = shards / "00000" / "index.npz", [0, 1, 2, 3, 4]
+        target.unlink()
+    else:
+        target, rebuilt = first.path / "ids.arrow", []
+        data = bytearray(target.read_bytes())
+        data[-20] ^= 0xFF
+        target.write_bytes(bytes(data))
+    loaded: list[int] = []
+    with caplog.at_level("WARNING", logger="launcher"):
+        again = build(tmp_path, mixed_records, processor, load=lambda i: (loaded.append(i), records[i])[1])
+    damaged = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(damaged) == 1 and str(target) in damaged[0], damaged
+    assert loaded == rebuilt
+    assert again.path == first.path and again.built and again.records == 12
+    assert_same_tensors(_tensors(CachedDataset(again.path, processor)), expected)
+    assert cache_module.cache_damage(again.path) == {}
+    assert [p.name for p in (tmp_path / "data_cache").iterdir()] == [first.path.name]  # no leftovers
+    caplog.clear()
+    build(tmp_path, mixed_records, processor, load=lambda i: (loaded.append(i), records[i])[1])
+    assert loaded == rebuilt and not caplog.records  # intact now: reused as it is
+
+
+def test_data_cache_check_sizes_finds_a_file_cut_short_but_not_a_byte_changed(
+    tmp_path, mixed_records, model_and_processor
+):
+    """data.cache_check=sizes: a stat per file, for starts that cannot afford reading the cache through."""
+    _, processor = model_and_processor
+    records = ConversationDataset(mixed_records)
+    first = build(tmp_path, mixed_records, processor)
+    target = first.path / "shards" / "00001" / "labels.bin"
+    data = bytearray(target.read_bytes())
+    data[0] ^= 0x01
+    target.write_bytes(bytes(data))
+    loaded: list[int] = []
+    load = lambda i: (loaded.append(i), records[i])[1]  # noqa: E731
+    assert not build(tmp_path, mixed_records, processor, load=load, check="sizes").built and loaded == []
+    target.write_bytes(bytes(data[:-4]))
+    assert build(tmp_path, mixed_records, processor, load=load, check="sizes").built and loaded == [5, 6, 7, 8, 9]
+
+
+def test_a_cache_whose_meta_json_cannot_be_read_is_built_again(tmp_path, mixed_records, model_and_processor, caplog):
+    _, processor = model_and_processor
+    first = build(tmp_path, mixed_records, processor)
+    expected = _tensors(CachedDataset(first.path, processor))
+    (first.path / "meta.json").write_text('{"version": 7, "key": "cut sho')
+    with caplog.at_level("WARNING", logger="launcher"):
+        again = build(tmp_path, mixed_records, processor)
+    assert again.built and again.path == first.path
+    assert any("meta.json cannot be read (damaged)" in r.getMessage() for r in caplog.records)
+    assert_same_tensors(_tensors(CachedDataset(again.path, processor)), expected)
+    assert [p.name for p in (tmp_path / "data_cache").iterdir()] == [first.path.name]
+
+
+def test_a_cache_from_before_the_checksums_is_trusted_as_it_is(tmp_path, mixed_records, model_and_processor):
+    _, processor = model_and_processor
+    first = build(tmp_path, mixed_records, processor)
+    meta_file = first.path / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    del meta["files"]
+    meta_file.write_text(json.dumps(meta))
+    assert cache_module.cache_damage(first.path) == {}
+    assert not build(tmp_path, mixed_records, processor, load=lambda i: pytest.fail(f"record {i} built again")).built
+
+
+def assert_same_tensors(got: list[dict[str, torch.Tensor]], expected: list[dict[str, torch.Tensor]]) -> None:
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_stop_request_ends_the_build_between_shards_and_the_next_start_builds_the_rest(

@@ -55,6 +55,18 @@ def test_an_unknown_checkpoint_tag_names_the_complete_ones(never_trained, capsys
     assert "(complete: none; universal copies: universal/TAG)" in done[2]
 
 
+@pytest.mark.parametrize("tag", ["../../elsewhere/step5", "/abs/step5", "universal/../step5", ".."])
+def test_a_checkpoint_tag_that_is_a_path_is_refused(never_trained, tmp_path, capsys, tag):
+    """A tag names a folder of RUN/checkpoints: one that is a path would read a marker and weights from
+    outside the run, even one made to look complete."""
+    outside = tmp_path / "elsewhere" / "step5"
+    outside.mkdir(parents=True)
+    (outside / "launcher_complete.json").write_text("{}")
+    done = export(capsys, never_trained, "--checkpoint", tag)
+    assert_one_line(done, f"--checkpoint {tag}: a checkpoint tag is a folder name in")
+    assert not (never_trained / "export").exists()
+
+
 def test_a_destination_that_exists_and_is_not_empty_is_refused(never_trained, tmp_path, capsys):
     out = tmp_path / "taken"
     out.mkdir()

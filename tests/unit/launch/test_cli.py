@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.launch.cli import local_rank_dropped, refused_run_dir
+from launcher.launch.cli import local_rank_dropped, refused_run_dir, slurm_missing
 
 
 @pytest.fixture
@@ -141,3 +141,16 @@ def test_a_new_job_in_a_directory_holding_what_no_run_wrote_is_refused_and_leave
     assert refused_run_dir(["train.py", f"hydra.run.dir={refused_before}"]) is None
     (tmp_path / "empty").mkdir()
     assert refused_run_dir(["train.py", f"hydra.run.dir={tmp_path / 'empty'}"]) is None
+
+
+def test_a_slurm_sweep_from_a_machine_without_slurm_is_one_line(tmp_path, monkeypatch):
+    """submitit raised "Could not detect srun" and Hydra printed 25 lines of traceback (issue 44)."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # no srun here
+    line = slurm_missing(["train.py", "-m", "dist=slurm", "dist.nnodes=2"])
+    assert line.startswith("dist=slurm submits each job to SLURM, and this machine has no SLURM (no srun on PATH)")
+    assert slurm_missing(["train.py", "dist=slurm"]) is None  # one job: an srun task of the user's own sbatch
+    assert slurm_missing(["train.py", "-m", "dist=slurm", "--cfg", "job"]) is None  # prints, submits nothing
+    srun = tmp_path / "srun"
+    srun.write_text("#!/bin/sh\n")
+    srun.chmod(0o755)
+    assert slurm_missing(["train.py", "-m", "dist=slurm"]) is None  # a login node

@@ -22,6 +22,7 @@ from launcher.model.method import (
     apply_method,
     check_method,
     modules_to_save,
+    parameter_counts,
     qlora_problem,
     target_regex,
     trainable_components,
@@ -104,11 +105,18 @@ def test_modules_to_save_resolves_aliases_and_freezing_wins(llava):
 
 def test_peft_model_trains_adapters_and_the_projector_only(llava_cfg):
     model = meta_model(llava_cfg)
+    before = parameter_counts(model)  # peft injects the adapters into `model` itself
     peft_model = apply_method(model, llava_cfg.method, llava_cfg.model)
     trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n or "modules_to_save" in n for n in trainable)
     assert any("multi_modal_projector.modules_to_save" in n for n in trainable)
     assert trainable_components(peft_model) == {"language", "projector"}
+    # The projector counts once: its trained copy, not also peft's frozen original beside it (issue 44).
+    after = parameter_counts(peft_model)
+    assert after["projector"] == before["projector"] and after["vision"] == before["vision"]
+    adapters = sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)
+    assert after["total"] == before["total"] + adapters
+    assert after["trainable"] == adapters + before["projector"]
     assert apply_method(model, compose_typed([]).method, llava_cfg.model) is model  # method=full
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from launcher.config.precision import Device
 from launcher.job.planning import plan_job
-from launcher.train.evaluate import evaluation_due
+from launcher.train.evaluate import eval_line, evaluation_due
 from tests.helpers import compose_typed, hydra_job, read_metrics, read_summary
 
 
@@ -58,3 +58,9 @@ def test_exact_match_accuracy_is_recorded_with_the_loss_at_each_evaluation(train
     assert all(0.0 <= row["eval/accuracy"] <= 1.0 for row in rows)
     summary = read_summary(tmp_path / "run")
     assert (summary["eval_loss"], summary["eval_accuracy"]) == (rows[-1]["eval/loss"], rows[-1]["eval/accuracy"])
+
+
+def test_the_eval_line_reads_as_the_step_lines_do():
+    """It printed a Python dict ("eval: {'eval/loss': 3.8997, ...}"; issue 44)."""
+    assert eval_line({"eval/loss": 3.89971, "eval/accuracy": 0.015}) == "eval | loss 3.8997 | accuracy 0.0150"
+    assert eval_line({"eval/loss": 0.5, "eval/reward_accuracy": 1.0}) == "eval | loss 0.5000 | reward_accuracy 1.0000"

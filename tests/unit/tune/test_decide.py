@@ -151,3 +151,49 @@ def test_without_a_fit_each_candidate_is_held_against_its_plan():
     assert lines[0].startswith("measured/planned per component: not separable")
     assert lines[1] == "planner off by more than 10% (measured / planned): z0-fp32-mb4 x2.00"
     assert decide.planner_lines(rows[1:])[1] == "every measured peak is within 10% of planned"
+
+
+# ----------------------------------------------------------------------------- noise
+def test_step_spread_is_the_range_of_the_steps_over_their_median():
+    assert decide.step_spread([100.0, 110.0, 90.0]) == pytest.approx(0.2)
+    assert decide.step_spread([100.0]) is None and decide.step_spread([0.0, 100.0]) is None
+
+
+def test_the_contenders_are_the_fastest_that_fit():
+    slow, fast, faster = result(micro=4, rate=10), result(micro=8, rate=30), result(micro=16, rate=50)
+    out = result(micro=2, status="does not fit", rate=99)
+    assert decide.contenders([slow, out, fast, faster], 2) == [faster, fast]
+
+
+def test_a_rerun_makes_the_candidate_the_median_of_its_runs_and_keeps_the_larger_peak():
+    first = result(rate=100, peak=900, runs=[100.0])
+    decide.merge_rerun(first, result(rate=40, peak=950, others_cpu=0.6))
+    assert first.runs == [100.0, 40.0] and first.tokens_per_s == pytest.approx(70.0)
+    assert first.samples_per_s == pytest.approx(7.0)  # scaled as the tokens: the same records
+    assert first.peak == 950 * MiB and first.others_cpu == 0.6 and first.status == "fits"
+    decide.merge_rerun(first, result(rate=90, peak=900))
+    assert first.tokens_per_s == pytest.approx(90.0)  # median of 100, 40, 90
+
+
+def test_a_rerun_that_does_not_fit_makes_the_candidate_no_pick():
+    first = result(rate=100, peak=900, runs=[100.0])
+    over = result(status="does not fit", peak=1100)
+    over.note = "a rank reached 1100 MiB > budget 1000 MiB in step 3"
+    decide.merge_rerun(first, over)
+    assert first.status == "does not fit" and first.note == f"in confirmation run 2: {over.note}"
+    assert first.peak == 1100 * MiB and decide.pick([first]) is None
+
+
+def test_the_noise_lines_say_whether_the_pick_stands_clear_and_name_a_busy_machine():
+    best = result(micro=16, rate=100, runs=[100.0, 96.0, 104.0])
+    rival = result(micro=8, rate=80, runs=[80.0, 85.0, 70.0])
+    lines = decide.noise_lines([best, rival])
+    assert lines[0] == "z0-fp32-mb16: 3 runs, real tokens/s 100, 96, 104; median 100"
+    assert "the pick is clear: every run of z0-fp32-mb16 beat every run of z0-fp32-mb8" in lines
+    rival.runs = [80.0, 99.0, 70.0]
+    rival.others_cpu = 0.55
+    best.runs = [100.0, 96.0, 98.0]
+    lines = decide.noise_lines([best, rival])
+    assert any(line.startswith("the pick is within the noise: runs of z0-fp32-mb16 and z0-fp32-mb8") for line in lines)
+    assert lines[-1].startswith("the machine was busy: other processes used up to 55% of its CPUs before 1 candidate")
+    assert decide.noise_lines([result(rate=10, others_cpu=0.1)]) == []  # one run, a quiet machine: nothing to say

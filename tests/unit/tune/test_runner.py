@@ -94,6 +94,18 @@ def _tuning(tmp_path, **kw) -> Tuning:
     return Tuning(tmp_path / "tune", [], global_batch=8, world_size=1, budget=1000 * MiB, budget_source="test", **kw)
 
 
+def test_candidates_after_the_first_that_ran_check_the_data_caches_sizes_not_its_checksums(tmp_path):
+    t = _tuning(tmp_path)
+    first, pruned, second = (Result(Candidate("z0", "fp32", m, 8 // m, False)) for m in (1, 2, 4))
+    t.results = [first, pruned, second]
+    assert not runner._cache_checked(t, first) and not runner._cache_checked(t, pruned)
+    first.run_dir = str(tmp_path / "runs" / "first")  # it ran, and so checked (or built) the cache
+    assert runner._cache_checked(t, pruned) and runner._cache_checked(t, second)
+    assert runner._cache_checked(t, Result(first.candidate))  # a confirmation run: after every candidate
+    t.base = ["data.cache_check=checksums"]  # the job's own choice holds for every candidate
+    assert not runner._cache_checked(t, second)
+
+
 def test_the_verdicts_on_a_running_candidate(tmp_path):
     tc = compose_typed(["tune.warmup_steps=1", "tune.measure_steps=2", "tune.candidate_timeout_s=60"]).tune
     t = _tuning(tmp_path)
@@ -116,6 +128,8 @@ def test_the_verdicts_on_a_running_candidate(tmp_path):
     assert status == "dominated" and note.startswith("z0-fp32-mb8 is faster (16 > 8 real tokens/s after 1 steps)")
     no_skip = compose_typed(["tune.warmup_steps=1", "tune.measure_steps=2", "tune.early_skip=false"]).tune
     assert runner._verdict(t, slow, rows[1:2], now, no_skip) is None
+    # Other processes were using the machine when it started: its speed says little, it is not stopped for it.
+    assert runner._verdict(t, slow, rows[1:2], now, tc, busy=True) is None
 
 
 def test_a_watch_peak_is_the_largest_of_the_ranks_and_of_what_they_report():

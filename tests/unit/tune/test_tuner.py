@@ -169,6 +169,14 @@ def test_a_tuning_goes_on_past_a_candidate_over_budget_and_one_that_crashes(tmp_
     best = max(("z0-fp32-mb4", "z0-fp32-mb8"), key=lambda n: float(rows[n]["tokens_per_s"]))
     report = (directory / "tune.md").read_text()
     assert f"**Pick: {best}**" in report and "best.yaml: verified" in report
+    # The confirmation round: the two that fit ran once more each, in turn; each is the median of its runs.
+    assert "confirm: z0-fp32-mb" in out and "[confirm 2] z0-fp32-mb4: fits:" in out
+    for name in ("z0-fp32-mb4", "z0-fp32-mb8"):
+        runs = [float(rate) for rate in rows[name]["runs_tokens_per_s"].split()]
+        assert len(runs) == 2 and float(rows[name]["tokens_per_s"]) == pytest.approx(sum(runs) / 2, rel=1e-3)
+        assert (directory / "logs" / f"{name}-run2.log").is_file()
+        assert 0.0 <= float(rows[name]["others_cpu"]) <= 1.0
+    assert "## Noise" in report and f"{best}: 2 runs, real tokens/s" in report
     assert (directory / "tune.png").stat().st_size > 0 and not list(directory.glob("runs/*/model"))
     assert f"pick: {best}: fits:" in out and out.splitlines()[-1].startswith("  best.yaml verified")
     # each candidate's log: the launcher's lines, its rank's output, how it ended (as train.py prints it)
@@ -235,6 +243,7 @@ def test_the_batching_axis_is_measured_by_real_tokens_and_packing_removes_the_pa
             "tune.pack_lengths=[512]",
             "tune.measure_steps=3",
             "tune.early_skip=false",
+            "tune.confirm_runs=0",  # the confirmation round: the test above
             "logger=none",
             f"tune.dir={directory}",
         ]
