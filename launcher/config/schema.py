@@ -426,9 +426,10 @@ class TuneConfig:
     low_precision_loss_tolerance: float = 2e-2  # ... in bf16/fp16
     candidate_timeout_s: float = 900  # a candidate running longer fails
     # Confirmation: the confirm_top fastest candidates that fit run confirm_runs times more, in turn; each
-    # is then the median of its runs (one run on a busy machine can mislead). 0 runs: none.
+    # is then the median of its runs (one run on a busy machine can mislead), and where the runs cannot tell
+    # the fastest from another, the simpler is picked. 0 runs: none.
     confirm_top: int = 3
-    confirm_runs: int = 1
+    confirm_runs: int = 2
     dir: str | None = None  # null: outputs/tune/DATE/TIME
 
 

@@ -81,6 +81,8 @@ def slurm_missing(argv: Sequence[str]) -> str | None:
     or None; submitit raises there, and Hydra prints its 25-line traceback."""
     if not runs_a_job(argv) or not is_multirun(argv) or argument(argv, "dist") != "slurm":
         return None
+    if argument(argv, "hydra/launcher") not in (None, "submitit_slurm"):  # submitit_local: tasks on this machine
+        return None
     if shutil.which("srun") is not None:
         return None
     return (

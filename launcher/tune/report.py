@@ -186,10 +186,12 @@ def report(t: Tuning) -> str:
         "Dominated: stopped once a measured candidate "
         "was faster by more than tune.skip_margin while using no more memory than this one already had. "
         "Wrong: first losses differ from the reference candidate's (same precision and micro batch). "
-        "Confirmation: the tune.confirm_top fastest that fit run tune.confirm_runs times more, in turn, and each "
-        "is the median of its runs; before each run the machine is sampled for 0.5 s, and a run that found "
-        "other processes using more than 20% of its CPUs is never stopped as dominated and is named under Noise. "
-        "tune.png: throughput against peak memory; the Pareto front joined.",
+        "Confirmation: the tune.confirm_top fastest that fit (and as many more measured on a busy machine) run "
+        "tune.confirm_runs times more, in turn, and each is the median of its runs; where a run of another reached "
+        "the fastest one's median and it is a simpler configuration (no offload, lower ZeRO stage, no "
+        "checkpointing), it is the pick. Others' CPU: the share of the machine other processes used before a run "
+        "(sampled 0.5 s) or during it; a run that found more than 20% is never stopped as dominated and is named "
+        "under Noise. tune.png: throughput against peak memory; the Pareto front joined.",
         "",
     ]
     return "\n".join(lines)

@@ -42,6 +42,9 @@ class Watch:
 
     rank_peaks: dict[int, int] = field(default_factory=dict)  # pid -> peak RSS
     rank_cpu: dict[int, float] = field(default_factory=dict)  # pid -> CPU seconds (user + system) so far
+    # pid -> CPU seconds of every process under the tuner (ranks, their DataLoader workers, helpers): what is
+    # left of the machine's busy time is other processes'
+    tree_cpu: dict[int, float] = field(default_factory=dict)
     records: list[dict[str, Any]] = field(default_factory=list)  # metrics.jsonl rows
 
     @property
@@ -183,6 +186,22 @@ def others_cpu_share(seconds: float = OTHERS_SAMPLE_S) -> float:
     return psutil.cpu_percent(interval=seconds) / 100.0
 
 
+def _busy_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy (not idle, not waiting on I/O) since boot."""
+    import psutil
+
+    times = psutil.cpu_times()
+    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
+
+
+def _own_cpu_s() -> float:
+    """This process's CPU seconds: the tuner's threads (the watcher's polling among them)."""
+    import psutil
+
+    cpu = psutil.Process().cpu_times()
+    return cpu.user + cpu.system
+
+
 def run_candidate(t: Tuning, result: Result, tune_cfg: TuneConfig, *, run_name: str | None = None) -> None:
     """Run one candidate as train.py would, watch its memory and steps, stop it once measured; sets the
     result's status, figures and note. `run_name`: its run directory and log (a confirmation run's own).
@@ -230,6 +249,8 @@ def run_candidate(t: Tuning, result: Result, tune_cfg: TuneConfig, *, run_name: 
         outcome = run_job(compose(overrides), job, say=to_log, rank_env=rank_env, output=log_file)
     finally:
         watcher.stop()
+    # A burst of other work that starts after the sample above shows in the share during the run.
+    result.others_cpu = max(result.others_cpu, watcher.others_share())
     if watcher.decided:  # the ranks were ended on purpose: say so before the job's own last line
         status, note = watcher.decided[0]
         to_log(f"tune: {candidate.name} ended by the tuner: {status}" + (f" ({note})" if note else ""))
@@ -245,6 +266,7 @@ class _Watcher:
     def __init__(self, t: Tuning, run_dir: RunDir, tune_cfg: TuneConfig, started: float, busy: bool = False) -> None:
         self.t, self.run_dir, self.tune_cfg, self.started, self.busy = t, run_dir, tune_cfg, started, busy
         self.watch = Watch()
+        self._machine_before, self._own_before = _busy_cpu_s(), _own_cpu_s()
         self.decided: list[tuple[str, str]] = []  # (status, note) when the tuner ended the candidate
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="tune-watcher", daemon=True)
@@ -256,9 +278,36 @@ class _Watcher:
         self._done.set()
         self._thread.join()
 
+    def others_share(self) -> float:
+        """The share of the machine's CPUs other processes have used since the run started: the machine's busy
+        time less the tuner's own and its children's (ranks, DataLoader workers), over the run's capacity."""
+        elapsed = time.time() - self.started
+        if elapsed <= 0:
+            return 0.0
+        ours = (_own_cpu_s() - self._own_before) + sum(self.watch.tree_cpu.values())
+        others = _busy_cpu_s() - self._machine_before - ours
+        return min(1.0, max(0.0, others / (elapsed * (os.cpu_count() or 1))))
+
+    def _sample_tree(self) -> None:
+        import psutil
+
+        try:
+            tree = psutil.Process(os.getpid()).children(recursive=True)
+        except psutil.Error:
+            return
+        for proc in tree:
+            try:
+                cpu = proc.cpu_times()
+            except psutil.Error:
+                continue
+            self.watch.tree_cpu[proc.pid] = max(cpu.user + cpu.system, self.watch.tree_cpu.get(proc.pid, 0.0))
+
     def _poll(self) -> None:
         offset = 0
         while not self._done.wait(0.05):
+            self._sample_tree()
+            # Load that arrives during the run: from then on its speed says little (no dominance verdict).
+            self.busy = self.busy or (time.time() - self.started > 1.0 and self.others_share() > BUSY)
             # A CPU's memory is the ranks' resident set; a GPU's, what each rank reports per step.
             for proc in rank_processes(os.getpid()):
                 try:

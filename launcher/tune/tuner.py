@@ -153,7 +153,7 @@ def confirm(t: Tuning, tc: Any, echo: Callable[[str], None]) -> None:
     measuring = dataclasses.replace(tc, early_skip=False)
     for number in range(2, int(tc.confirm_runs) + 2):
         for result in top:
-            if result.status != "fits":
+            if result.status not in ("fits", "dominated"):  # a rerun that did not fit ends its candidate
                 continue
             rerun = Result(result.candidate, planned=result.planned, components=result.components)
             run_candidate(t, rerun, measuring, run_name=f"{result.name}-run{number}")

@@ -7,6 +7,7 @@ through faults drawn from a seed, each start the same command (`resume=auto`, as
     abort    the rank dies by SIGABRT at a step, recording nothing, as gloo and NCCL end a process
              (launcher.train.faults)
     damage   the newest intact checkpoint's model file is cut in half between two starts, an older one kept
+    cache    one byte of a data cache file flipped between two starts (the next start rebuilds its shard)
 
 After every fault the job ends in one line (no traceback) within the tests' time limits, and at the end its
 final model's weights equal, bitwise, those of the same job run without a fault (fp32, CPU). The seed is
@@ -41,6 +42,7 @@ JOB = (
     f"train.max_steps={STEPS}", f"train.save_every={SAVE_EVERY}", "train.eval_every=2", "train.seed=1",
     "data.num_workers=1",
 )  # fmt: skip
+CACHE = "cache"  # under the test's own directory: its data cache is damaged on purpose
 FAULTS = 4  # faults that land; a damage drawn where no older intact checkpoint exists is drawn again
 SEED = int(os.environ.get("LAUNCHER_FAULT_SEED", "0"))
 STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -49,9 +51,11 @@ STOPPED = (143, 129)  # a stop the job honours with a checkpoint (143), or one b
 
 def draw(rng: random.Random) -> tuple[str, object]:
     """One fault: (kind, where), `where` counted from the step the start resumes from (so that each lands)."""
-    kind = rng.choice(["signal", "signal", "abort", "damage"])
+    kind = rng.choice(["signal", "signal", "abort", "damage", "cache"])
     if kind == "signal":
         return kind, (rng.choice(["step", "step", "eval", "save"]), rng.randint(1, 3), rng.choice(STOPS))
+    if kind == "cache":
+        return kind, rng.random()  # which file, and where in it
     return kind, rng.randint(1, 3) if kind == "abort" else None
 
 
@@ -80,7 +84,8 @@ def phase_of(what: str, offset: int, start: int) -> str:
 def attempt(env: dict[str, str], tmp_path: Path, run_dir: Path, number: int, extra: dict[str, str]) -> tuple:
     """One start of the job, with `extra` in its environment: (process, its output file)."""
     log = tmp_path / f"attempt-{number}.out"
-    process = start_train({**env, **extra}, *JOB, "resume=auto", f"hydra.run.dir={run_dir}", log=log)
+    job = (*JOB, f"cache_dir={tmp_path / CACHE}", "resume=auto", f"hydra.run.dir={run_dir}")
+    process = start_train({**env, **extra}, *job, log=log)
     return process, log
 
 
@@ -109,6 +114,15 @@ def test_a_job_driven_through_seeded_faults_ends_with_the_uninterrupted_jobs_wei
                     handle.truncate(model_file.stat().st_size // 2)
                 done.append(f"{tags[-1]}'s model file cut in half")
             continue
+        if kind == "cache":
+            files = sorted((tmp_path / CACHE / "data_cache").glob("*/shards/*/*.bin"))
+            if files:
+                target = files[int(where * len(files))]
+                data = bytearray(target.read_bytes())
+                data[int(where * len(data))] ^= 0x01
+                target.write_bytes(bytes(data))
+                done.append(f"a byte of {target.parent.parent.parent.name[:8]}'s {target.name} flipped")
+            continue
         start = resumes_from(run_dir)
         if kind == "abort":
             step = min(start + where, STEPS)
@@ -133,7 +147,8 @@ def test_a_job_driven_through_seeded_faults_ends_with_the_uninterrupted_jobs_wei
     assert ended(process, log) == 0, (done, log.read_text()[-3000:])
     assert read_summary(run_dir)["status"] == "completed", done
 
-    clean = run_train_py(isolated_env, *JOB, f"hydra.run.dir={tmp_path / 'clean'}", timeout=900)
+    clean = run_train_py(isolated_env, *JOB, f"cache_dir={tmp_path / CACHE}", f"hydra.run.dir={tmp_path / 'clean'}",
+                         timeout=900)  # fmt: skip
     assert clean.returncode == 0, clean.stderr[-3000:]
     faulted = load_file(RunDir(run_dir).model / "model.safetensors")
     expected = load_file(RunDir(tmp_path / "clean").model / "model.safetensors")

@@ -150,6 +150,7 @@ def test_a_slurm_sweep_from_a_machine_without_slurm_is_one_line(tmp_path, monkey
     assert line.startswith("dist=slurm submits each job to SLURM, and this machine has no SLURM (no srun on PATH)")
     assert slurm_missing(["train.py", "dist=slurm"]) is None  # one job: an srun task of the user's own sbatch
     assert slurm_missing(["train.py", "-m", "dist=slurm", "--cfg", "job"]) is None  # prints, submits nothing
+    assert slurm_missing(["train.py", "-m", "dist=slurm", "hydra/launcher=submitit_local"]) is None  # runs here
     srun = tmp_path / "srun"
     srun.write_text("#!/bin/sh\n")
     srun.chmod(0o755)

@@ -163,6 +163,23 @@ def test_the_contenders_are_the_fastest_that_fit():
     slow, fast, faster = result(micro=4, rate=10), result(micro=8, rate=30), result(micro=16, rate=50)
     out = result(micro=2, status="does not fit", rate=99)
     assert decide.contenders([slow, out, fast, faster], 2) == [faster, fast]
+    # One measured while other processes loaded the machine may be the fastest in truth: measured again too.
+    slow.others_cpu = 0.9
+    assert decide.contenders([slow, out, fast, faster], 2) == [faster, fast, slow]
+    assert decide.contenders([slow, out, fast, faster], 1) == [faster, slow]
+    stopped = result(micro=1, status="dominated", rate=20, others_cpu=0.3)  # stopped during a burst
+    assert decide.contenders([slow, fast, faster, stopped], 1) == [faster, stopped]  # the faster figure first
+    assert decide.contenders([slow, fast, faster, stopped], 2) == [faster, fast, stopped, slow]
+
+
+def test_a_candidate_stopped_as_dominated_in_a_burst_gets_its_first_whole_run_from_the_confirmation():
+    stopped = result(status="dominated", rate=20, peak=800, others_cpu=0.3)
+    stopped.note = "z0-fp32-mb16 is faster (90 > 20 real tokens/s after 1 steps) with no more memory"
+    decide.merge_rerun(stopped, result(rate=120, peak=850))
+    assert stopped.status == "fits" and stopped.runs == [120.0] and stopped.tokens_per_s == 120
+    assert stopped.peak == 850 * MiB and stopped.note.startswith("measured again: its first run, stopped as")
+    decide.merge_rerun(stopped, result(rate=110, peak=850))
+    assert stopped.runs == [120.0, 110.0] and stopped.tokens_per_s == pytest.approx(115.0)
 
 
 def test_a_rerun_makes_the_candidate_the_median_of_its_runs_and_keeps_the_larger_peak():
@@ -190,10 +207,40 @@ def test_the_noise_lines_say_whether_the_pick_stands_clear_and_name_a_busy_machi
     lines = decide.noise_lines([best, rival])
     assert lines[0] == "z0-fp32-mb16: 3 runs, real tokens/s 100, 96, 104; median 100"
     assert "the pick is clear: every run of z0-fp32-mb16 beat every run of z0-fp32-mb8" in lines
-    rival.runs = [80.0, 99.0, 70.0]
+    rival.runs = [80.0, 99.0, 70.0]  # a run of the rival reached the pick's median (98)
     rival.others_cpu = 0.55
     best.runs = [100.0, 96.0, 98.0]
     lines = decide.noise_lines([best, rival])
-    assert any(line.startswith("the pick is within the noise: runs of z0-fp32-mb16 and z0-fp32-mb8") for line in lines)
+    assert lines[2].startswith("the fastest, z0-fp32-mb16, is within the noise of z0-fp32-mb8 (a run of theirs")
+    assert "kept z0-fp32-mb16, no simpler configuration among them" in lines[2]
     assert lines[-1].startswith("the machine was busy: other processes used up to 55% of its CPUs before 1 candidate")
     assert decide.noise_lines([result(rate=10, others_cpu=0.1)]) == []  # one run, a quiet machine: nothing to say
+
+
+def test_where_the_runs_cannot_tell_the_fastest_from_another_the_simpler_is_picked():
+    """Issue 44: a pick only where it beats the next by more than the runs' spread; else the simpler one."""
+    offload = result(preset="z2_offload", rate=100, peak=500, runs=[100.0, 90.0, 104.0])
+    plain = result(preset="z0", rate=95, peak=900, runs=[95.0, 101.0, 93.0])  # a run reached 100, its median
+    slow = result(preset="z0", micro=4, rate=60, peak=700, runs=[60.0, 61.0, 59.0])
+    assert decide.fastest([offload, plain, slow]) is offload
+    assert decide.within_noise([offload, plain, slow]) == [plain]
+    assert decide.pick([offload, plain, slow]) is plain  # no offload: simpler
+    lines = decide.noise_lines([offload, plain, slow])
+    assert any("picked z0-fp32-mb8, the simplest configuration among them" in line for line in lines)
+    plain.runs = [95.0, 99.0, 93.0]  # none reached the fastest's median: it is clear
+    assert decide.pick([offload, plain, slow]) is offload
+    lines = decide.noise_lines([offload, plain, slow])  # the runs overlap (90 < 99), but none reached 100
+    assert "the pick stands: no run of z0-fp32-mb8 (the next) reached z2_offload-fp32-mb8's median (100)" in lines[-1]
+    single = result(preset="z2_offload", rate=100, peak=500)  # measured once: nothing to tell apart
+    assert decide.pick([single, result(preset="z0", rate=99, peak=900)]) is single
+
+
+def test_one_burst_slowed_run_of_the_fastest_does_not_tie_it_with_everyone_and_batch_size_is_no_simplicity():
+    """The burst test (bench/tune_noise.py): the fastest's runs 25506, 4053, 25565 (one in a burst); the next
+    ones never reach 25506, so it stays the pick; a smaller micro batch is not a simpler configuration."""
+    best = result(micro=32, rate=25506, peak=900, runs=[25506.0, 4053.0, 25565.0])
+    smaller = result(micro=16, rate=7009, peak=600, runs=[21752.0, 7009.0, 5620.0])
+    zero2 = result(preset="z2", micro=32, rate=20555, peak=700, runs=[20555.0, 20660.0, 4297.0])
+    assert decide.within_noise([best, smaller, zero2]) == [] and decide.pick([best, smaller, zero2]) is best
+    smaller.runs = [26000.0, 7009.0, 5620.0]  # now within the noise, but no simpler: the faster stays
+    assert decide.within_noise([best, smaller, zero2]) == [smaller] and decide.pick([best, smaller, zero2]) is best
