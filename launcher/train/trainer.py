@@ -137,6 +137,7 @@ def setup(
     cleanup.callback(stop.close)
     loaded = read_records(job, rank)
     stage = starting_stage(job, run_dir)
+    pause_for_test("load", until=stop.wanted)  # the tests' stop signals land here, the model about to load
     engine = build_engine(job, rank, summary, stage=stage, path=stage_start(job, run_dir, stage))
     engine_built(job, engine, stage, summary)
     data = build_data(job, rank, loaded, engine.processor, engine.zero_stage, run_dir, summary, stop=stop.wanted)

@@ -81,9 +81,13 @@ def test_a_signal_while_the_job_is_planned_is_recorded(isolated_env, tmp_path):
 
 
 def test_a_signal_while_the_model_loads_stops_at_the_first_step_with_a_checkpoint(isolated_env, tmp_path):
-    run_dir = tmp_path / "run"
-    job = _train(*SHORT, "train.max_steps=50", f"hydra.run.dir={run_dir}", env=isolated_env)
-    _wait_for(lambda: (run_dir / "job.json").exists())  # the plan is written: the rank is starting
+    """Held where the rank is about to load the model (the "load" hook), so the signal lands there however
+    loaded the machine is: waiting for job.json let it land before the rank started, under load (CI-like run
+    beside the fault-injection seeds: "interrupted")."""
+    run_dir, mark = tmp_path / "run", tmp_path / "loading"
+    env = {**isolated_env, PAUSE_ENV: f"load:60:{mark}"}
+    job = _train(*SHORT, "train.max_steps=50", f"hydra.run.dir={run_dir}", env=env)
+    _wait_for(mark.exists)
     job.send_signal(signal.SIGTERM)
     _, err = job.communicate(timeout=300)
     assert job.returncode == 143, err[-3000:]
