@@ -267,10 +267,11 @@ def ensure_cache(
     return _info(path, meta, built=not existed)
 
 
-def cache_damage(path: Path, *, sizes_only: bool = False) -> dict[str, str]:
-    """Each file of the complete cache at `path` that differs from its meta.json (relative path -> why); empty
-    when none does, or when the cache predates the checksums. `sizes_only`: compare the sizes, not the bytes."""
-    meta = _read_meta(path) or {}
+def cache_damage(path: Path, *, sizes_only: bool = False, meta: dict | None = None) -> dict[str, str]:
+    """Each file of the complete cache at `path` that differs from its meta.json (relative path -> why; `meta`:
+    that file, read already); empty when none does, or when the cache predates the checksums. `sizes_only`:
+    compare the sizes, not the bytes."""
+    meta = meta if meta is not None else _read_meta(path) or {}
     found = {}
     for name, recorded in meta.get("files", {}).items():
         problem = damage(path / name, {"bytes": recorded["bytes"]} if sizes_only else recorded)
@@ -283,12 +284,13 @@ def _reopen_if_damaged(path: Path, building: Path, *, sizes_only: bool) -> None:
     """Check the complete cache at `path`; a damaged one goes back to being the build `building` with its
     intact shards, so that the build writes the others again (records.npz, ids.arrow and meta.json too).
     One whose meta.json cannot be read (it is renamed into place with it: never legitimately) is removed."""
-    if _read_meta(path) is None:
+    meta = _read_meta(path)
+    if meta is None:
         log.warning("data cache %s: its %s cannot be read (damaged): building the cache again", path, META_FILE)
         _removed(path)
         return
     started = time.perf_counter()
-    found = cache_damage(path, sizes_only=sizes_only)
+    found = cache_damage(path, sizes_only=sizes_only, meta=meta)
     seconds = time.perf_counter() - started
     if seconds > CHECK_SAY_S:
         log.info("data cache: %s checked in %.0f s (data.cache_check=sizes checks the sizes alone)", path, seconds)

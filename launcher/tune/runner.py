@@ -110,6 +110,7 @@ class Measured(NamedTuple):
     steps: int
     padding_frac: float | None  # padding's share of the tokens computed
     mfu: float | None  # time-weighted model FLOPs utilisation (None where the run reports none)
+    step_spread: float | None = None  # how much the measured steps' real tokens/s disagree (decide.step_spread)
 
 
 def measure(records: Sequence[Mapping[str, Any]], warmup: int, global_batch: int) -> Measured | None:
@@ -134,7 +135,8 @@ def measure(records: Sequence[Mapping[str, Any]], warmup: int, global_batch: int
     mfu = None
     if all(r.get("perf/mfu") is not None for r in measured):
         mfu = sum(float(r["perf/mfu"]) * t for r, t in zip(measured, times, strict=True)) / seconds
-    return Measured(samples / seconds, sum(tokens) / seconds, len(measured), padding, mfu)
+    spread = step_spread([float(r.get("perf/tokens_per_sec") or 0) for r in measured])
+    return Measured(samples / seconds, sum(tokens) / seconds, len(measured), padding, mfu, spread)
 
 
 def _read_new_records(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
@@ -194,12 +196,12 @@ def _busy_cpu_s() -> float:
     return sum(times) - times.idle - getattr(times, "iowait", 0.0)
 
 
-def _own_cpu_s() -> float:
+def own_cpu_s() -> float:
     """This process's CPU seconds: the tuner's threads (the watcher's polling among them)."""
-    import psutil
+    import resource
 
-    cpu = psutil.Process().cpu_times()
-    return cpu.user + cpu.system
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def run_candidate(t: Tuning, result: Result, tune_cfg: TuneConfig, *, run_name: str | None = None) -> None:
@@ -266,7 +268,7 @@ class _Watcher:
     def __init__(self, t: Tuning, run_dir: RunDir, tune_cfg: TuneConfig, started: float, busy: bool = False) -> None:
         self.t, self.run_dir, self.tune_cfg, self.started, self.busy = t, run_dir, tune_cfg, started, busy
         self.watch = Watch()
-        self._machine_before, self._own_before = _busy_cpu_s(), _own_cpu_s()
+        self._machine_before, self._own_before = _busy_cpu_s(), own_cpu_s()
         self.decided: list[tuple[str, str]] = []  # (status, note) when the tuner ended the candidate
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="tune-watcher", daemon=True)
@@ -284,7 +286,7 @@ class _Watcher:
         elapsed = time.time() - self.started
         if elapsed <= 0:
             return 0.0
-        ours = (_own_cpu_s() - self._own_before) + sum(self.watch.tree_cpu.values())
+        ours = (own_cpu_s() - self._own_before) + sum(self.watch.tree_cpu.values())
         others = _busy_cpu_s() - self._machine_before - ours
         return min(1.0, max(0.0, others / (elapsed * (os.cpu_count() or 1))))
 
@@ -353,9 +355,7 @@ def _settle(
             figures.steps,
         )
         result.padding_frac, result.mfu = figures.padding_frac, figures.mfu
-        result.runs = [figures.tokens_per_s]
-        measured = [r for r in watch.records if int(r["step"]) > warmup and r.get("perf/step_time_s")]
-        result.step_spread = step_spread([float(r.get("perf/tokens_per_sec") or 0) for r in measured])
+        result.runs, result.step_spread = [figures.tokens_per_s], figures.step_spread
     summary = watcher.run_dir.read_summary() or Summary(status="failed")
     error = outcome.error or summary.error
     # Preempted or interrupted: a stop signal reached the job (the tuner's own kills are SIGKILLs, which end
@@ -380,7 +380,7 @@ def _verdict(
     t: Tuning, watch: Watch, new: list[dict[str, Any]], started: float, tc: Any, *, busy: bool = False
 ) -> tuple[str, str] | None:
     """Whether to end a running candidate now, and as what. `busy`: other processes were using the machine
-    when it started; its speed then says little, and it is not stopped as dominated."""
+    before it started or have since; its speed then says little, and it is not stopped as dominated."""
     warmup, steps = int(tc.warmup_steps), int(tc.measure_steps)
     if watch.peak > t.budget:
         return (

@@ -73,7 +73,7 @@ from launcher.tune.decide import (
     skip_reason,
 )
 from launcher.tune.report import CSV_COLUMNS, Tuning, describe, table_rows, write_outputs, write_plot
-from launcher.tune.runner import error_line, run_candidate
+from launcher.tune.runner import error_line, own_cpu_s, run_candidate
 from launcher.tune.space import base_overrides, default_micro_batch_sizes, search_space
 
 ROOT = Path(__file__).resolve().parents[2]  # where train.py is
@@ -131,7 +131,7 @@ def tune(overrides: Sequence[str], *, echo: Callable[[str], None] = print) -> Tu
         write_outputs(t)
     confirm(t, tc, echo)
     t.wall_s = round(time.time() - t.started, 1)
-    t.cpu_s = round(sum(r.cpu_s or 0 for r in t.results) + _own_cpu_s(), 1)
+    t.cpu_s = round(sum(r.cpu_s or 0 for r in t.results) + own_cpu_s(), 1)
     best = pick(t.results)
     if best is not None:
         write_outputs(t)
@@ -272,13 +272,6 @@ def _planned(base: list[str], candidate: Any, global_batch: int, target: Target)
     except (LauncherError, HydraException, OmegaConfBaseException) as err:
         result.status, result.note = "failed", one_line(err)  # e.g. a preset this method refuses
     return result
-
-
-def _own_cpu_s() -> float:
-    import resource
-
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def check_best(t: Tuning, best: Result) -> str:
