@@ -169,7 +169,7 @@ def prune(run_dir: RunDir, keep: int) -> None:
     for path in [*run_dir.checkpoints.iterdir(), *copies]:
         match = _TAG.fullmatch(path.name)
         if match and path.name not in kept_tags and int(match.group(1)) < oldest_kept:
-            shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(run_dir.inside(path), ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- resuming another job

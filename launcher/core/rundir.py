@@ -35,6 +35,7 @@ from typing import Any
 
 import yaml
 
+from launcher.core.errors import LauncherError
 from launcher.core.json_files import finite, read_json, write_json_atomic, write_text_atomic
 from launcher.core.summary import Summary
 
@@ -238,6 +239,8 @@ class RunDir:
         key = str(self.lock.resolve())
         if key in _claimed:
             return None
+        if (link := self.link_outside()) is not None:
+            return link
         try:
             if not self.path.exists():
                 # Made here, before Hydra: if the job then stops before using it, leave nothing behind.
@@ -256,6 +259,26 @@ class RunDir:
         os.write(fd, f"{os.getpid()}\n".encode())
         _claimed[key] = fd  # kept open: closing it would release the lock
         return None
+
+    def link_outside(self) -> str | None:
+        """Why this directory holds a link a run would write through to outside it (a planted `model` or
+        `checkpoints/step4` leading to someone's folder, which a save would replace or a prune delete), or
+        None. Looked for at the start; `inside` checks again where the run writes."""
+        root = self.path.resolve()
+        for folder, names, files in os.walk(self.path):  # links are not followed: each is met as an entry
+            for name in [*names, *files]:
+                entry = Path(folder) / name
+                if entry.is_symlink() and not entry.resolve().is_relative_to(root):
+                    return _outside(entry, root)
+        return None
+
+    def inside(self, path: Path) -> Path:
+        """`path`, where a run is about to write (or replace, or delete) it, when that stays inside this
+        directory once links are followed; else one line naming the link (LauncherError)."""
+        root = self.path.resolve()
+        if not path.resolve().is_relative_to(root):
+            raise LauncherError(_outside(path, root))
+        return path
 
     def read_summary(self) -> Summary | None:
         """The summary a run left, or None when there is none (or it cannot be read)."""
@@ -323,6 +346,14 @@ class MetricsWriter:
 
     def __exit__(self, *_exc: object) -> None:
         self.close()
+
+
+def _outside(path: Path, root: Path) -> str:
+    return (
+        f"{path} leads to {path.resolve()}, outside the run directory {root}: a run writes only inside its "
+        "own directory; remove the link (to keep checkpoints on another disk, put the run directory there: "
+        "hydra.run.dir=PATH)"
+    )
 
 
 def _remove_if_unused(path: Path) -> None:

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +15,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from launcher.config.schema import DataConfig
+from launcher.core.builds import build_once
 from launcher.core.errors import LauncherError
 from launcher.data.formats import IMAGE_PLACEHOLDER
 
@@ -83,8 +81,8 @@ def generate_shapes(
     split holds images that do not occur in the train split. The files are ordinary LLaVA-format records
     + PNGs, so they go through the same loader as user data. `pairs`: preference records instead, in
     LLaMA-Factory's format (the same images and questions; the right answer chosen, a wrong one
-    rejected). A complete set for the same arguments is reused; a new one is written to a temporary
-    directory and renamed into place.
+    rejected). A complete, intact set for the same arguments is reused; a new one is written to a
+    temporary directory and renamed into place (launcher.core.builds).
     """
     if task not in TASKS:
         raise LauncherError(f"data.task={task} is not a task of the built-in set: choose one of {', '.join(TASKS)}")
@@ -99,31 +97,17 @@ def generate_shapes(
         "extent": list(SHAPE_EXTENT),
         **({"pairs": True} if pairs else {}),
     }
-    paths = (out_dir / "train.json", out_dir / "eval.json", out_dir / "images")
-    if _read_json(out_dir / _SHAPES_MARKER) == arguments:
-        return paths
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    tmp_dir.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory
-    try:
+    def write(where: Path) -> None:
         seen: set[str] = set()
         for split, count, stream in (("train", n_train, 0), ("eval", n_eval, 1)):
             records = _draw_split(
-                tmp_dir, split, count, np.random.default_rng([seed, stream]), image_size, task, seen, pairs=pairs
+                where, split, count, np.random.default_rng([seed, stream]), image_size, task, seen, pairs=pairs
             )
-            (tmp_dir / f"{split}.json").write_text(json.dumps(records, indent=1) + "\n")
-        (tmp_dir / _SHAPES_MARKER).write_text(json.dumps(arguments, indent=2) + "\n")
-        if out_dir.exists() and _read_json(out_dir / _SHAPES_MARKER) != arguments:
-            shutil.rmtree(out_dir, ignore_errors=True)
-        try:
-            os.rename(tmp_dir, out_dir)
-        except OSError:  # another rank got there first
-            if _read_json(out_dir / _SHAPES_MARKER) != arguments:
-                raise
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-    return paths
+            (where / f"{split}.json").write_text(json.dumps(records, indent=1) + "\n")
+
+    build_once(out_dir, arguments, _SHAPES_MARKER, write)
+    return out_dir / "train.json", out_dir / "eval.json", out_dir / "images"
 
 
 def _draw_split(
@@ -209,10 +193,3 @@ def _draw_shape(rng: np.random.Generator, colour: str, shape: str, size: int) ->
     else:
         draw.polygon([(left + (extent - 1) / 2, top), (box[0], box[3]), (box[2], box[3])], fill=fill)
     return np.asarray(image)
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None

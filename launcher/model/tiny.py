@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import shutil
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -45,6 +42,7 @@ from transformers.models.clip.image_processing_pil_clip import CLIPImageProcesso
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from launcher.config.schema import ModelConfig
+from launcher.core.builds import build_once
 from launcher.core.errors import LauncherError
 from launcher.data.formats import record_texts
 from launcher.model.loading import TINY_BUILD_RECORD, ImagesOnlyQwen2VLProcessor, without_video_processor
@@ -178,29 +176,12 @@ def build_tiny_model_dir(
         "image_size": image_size,
         "patch_size": patch_size,
     }
-    return _build_once(out_dir, arguments, _MARKER, lambda where: _write_build(where, vocabulary_texts, arguments))
-
-
-def _build_once(out_dir: Path, arguments: dict[str, Any], marker: str, write: Any) -> Path:
-    """`out_dir` as `write(directory)` builds it for `arguments`: reused when its `marker` records the same
-    arguments; else written into a temporary directory beside it (`write` writes the marker last) and
-    renamed into place, so a crash never leaves a directory that looks complete."""
-    if _read_marker(out_dir, marker) == arguments:
-        return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    tmp_dir.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory
-    try:
-        write(tmp_dir)
-        _move_into_place(tmp_dir, out_dir, arguments, marker)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-    return out_dir
+    return build_once(out_dir, arguments, _MARKER, lambda where: _write_build(where, vocabulary_texts, arguments))
 
 
 def _write_build(out_dir: Path, vocabulary_texts: list[str], arguments: dict[str, Any]) -> None:
-    """The model and processor of `arguments` (their weights from its seed), saved into `out_dir` with
-    the record of what was built, written last."""
+    """The model and processor of `arguments` (their weights from its seed), saved into `out_dir` (build_once
+    writes the record of what was built, and of every file, last)."""
     arch = arguments["arch"]
     build = _build_tiny_llava if arch == "tiny_llava" else _build_tiny_qwen2_vl
     with torch.random.fork_rng(devices=[]):
@@ -210,7 +191,6 @@ def _write_build(out_dir: Path, vocabulary_texts: list[str], arguments: dict[str
     processor.save_pretrained(out_dir)
     if arch == "tiny_qwen2_vl":
         _write_qwen2_vl_video_config(out_dir, image_size=arguments["image_size"], patch_size=arguments["patch_size"])
-    (out_dir / _MARKER).write_text(json.dumps(arguments, indent=2) + "\n")
 
 
 _SIZE_KEYS = (
@@ -221,28 +201,6 @@ _SIZE_KEYS = (
     "image_size",
     "patch_size",
 )
-
-
-def _read_marker(out_dir: Path, marker: str = _MARKER) -> dict[str, Any] | None:
-    try:
-        return json.loads((out_dir / marker).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _move_into_place(tmp_dir: Path, out_dir: Path, arguments: dict[str, Any], marker: str = _MARKER) -> None:
-    """Rename the finished build onto `out_dir`, replacing a stale or half-written one.
-
-    Several ranks may build the same directory at once: whoever renames first wins and the others
-    keep the winner's (identical) build.
-    """
-    if out_dir.exists() and _read_marker(out_dir, marker) != arguments:
-        shutil.rmtree(out_dir, ignore_errors=True)
-    try:
-        os.rename(tmp_dir, out_dir)
-    except OSError:
-        if _read_marker(out_dir, marker) != arguments:
-            raise
 
 
 # Longer runs of non-space characters are cut to this before the tokenizer trains: no such word becomes one
@@ -512,31 +470,8 @@ def build_random_model_dir(path_or_hub_id: str, out_dir: Path, vocabulary_texts:
                 setattr(text, key, value)
         config.save_pretrained(where)
         processor.save_pretrained(where)
-        (where / RANDOM_BUILD_RECORD).write_text(json.dumps(arguments, indent=2) + "\n")
 
-    return _build_once(Path(out_dir), arguments, RANDOM_BUILD_RECORD, write)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    tmp_dir.chmod(0o755)
-    try:
-        processor = _real_family_processor(config, vocabulary_texts)
-        tokenizer = processor.tokenizer
-        # The token ids name the local tokenizer's tokens; the vocabulary keeps its real width.
-        keys = _LLAVA_TOKEN_KEYS if family == "llava" else _QWEN_TOKEN_KEYS
-        text = config.get_text_config()
-        for key, token in keys.items():
-            value = None if token is None else tokenizer.convert_tokens_to_ids(token)
-            if key in config.to_dict():
-                setattr(config, key, value)
-            if text is not config and key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-                setattr(text, key, value)
-        config.save_pretrained(tmp_dir)
-        processor.save_pretrained(tmp_dir)
-        (tmp_dir / RANDOM_BUILD_RECORD).write_text(json.dumps(arguments, indent=2) + "\n")
-        _move_into_place(tmp_dir, out_dir, arguments, RANDOM_BUILD_RECORD)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-    return out_dir
+    return build_once(Path(out_dir), arguments, RANDOM_BUILD_RECORD, write)
 
 
 def _real_family_processor(config: Any, vocabulary_texts: list[str]) -> Any:

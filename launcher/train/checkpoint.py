@@ -146,7 +146,7 @@ def save(
     Collective: every rank calls it at the same step. Keeps the newest `keep` complete checkpoints. `stop`
     (whether this rank was asked to stop) ends the tests' hold between the files and the marker."""
     tag = tag_for(marker.step)
-    folder = run_dir.checkpoint(tag)
+    folder = run_dir.inside(run_dir.checkpoint(tag))
     rank = torch.distributed.get_rank()
     if rank == 0 and folder.exists():  # left by a crashed save, or a resumed run re-saving
         shutil.rmtree(folder)

@@ -254,7 +254,7 @@ def next_stage(run: Run, step: int) -> None:
     it as a job of that stage alone would be: its parts train, with a fresh optimizer (Adam states only for
     what trains now) and its own warm-up and cosine; the data starts over. Collective: every rank calls it."""
     ended, stage, began = run.stage, stage_at(run.job.stages, step), time.time()
-    path = run.run_dir.stage_model(ended.name)
+    path = run.run_dir.inside(run.run_dir.stage_model(ended.name))
     save_model(run.engine, path, run.rank.is_main)
     release(run.engine)
     run.engine = build_engine(run.job, run.rank, run.summary, stage=stage, path=str(path))
@@ -425,7 +425,7 @@ def finish(run: Run, stopped_at: int | None) -> Summary:
     if steps_done > run.start_step:  # a resume of a finished run has nothing new to save
         save(run, steps_done)
     if stopped_at is None:
-        save_model(run.engine, run.run_dir.model, run.rank.is_main)
+        save_model(run.engine, run.run_dir.inside(run.run_dir.model), run.rank.is_main)
     elif run.rank.is_main:
         log.info("stopped after step %d on %s; resume with resume=%s", steps_done, run.stop.reason(), run.run_dir.path)
     summary, throughput = run.summary, run.state.throughput

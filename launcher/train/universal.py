@@ -46,7 +46,7 @@ def ensure_universal(run_dir: RunDir, tag: str, saved_stage: int, param_names: l
 
     `param_names`: the trainable parameters in the order the optimizer holds them (recorded at save;
     what a ZeRO-0 checkpoint's optimizer state is indexed by)."""
-    out = run_dir.universal(tag)
+    out = run_dir.inside(run_dir.universal(tag))
     if is_universal(out):
         return out
     partial = out.parent / f".{tag}.partial"

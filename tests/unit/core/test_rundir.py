@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import subprocess
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from launcher.core.checkpoints import CheckpointMarker, prune, write_marker
+from launcher.core.errors import LauncherError
 from launcher.core.rundir import RunDir, directory_problem
 from launcher.core.summary import Summary
 from tests.helpers import ROOT
@@ -170,3 +173,45 @@ def test_a_directory_that_cannot_be_written_is_refused_with_the_reason_not_a_tra
         assert said == "cannot write in it (Read-only file system): make it writable, or choose another directory"
     finally:
         subprocess.run(["umount", str(readonly)], check=True)
+
+
+def _listing(root: Path) -> dict[str, str]:
+    """Every file under `root`, by relative path, with a hash of its bytes: what must not change."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
+
+
+def test_a_link_planted_in_the_run_dir_is_refused_at_the_start_and_where_a_run_writes(tmp_path):
+    """A symlink in the run dir would let a save replace (or a prune delete) a folder outside it (issue 42):
+    the start names it in one line, and every write that replaces a folder checks its path again."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "NOTES.txt").write_text("mine")
+    (victim / "model.safetensors").write_bytes(b"\0" * 64)
+    before = _listing(victim)
+
+    run_dir = RunDir(tmp_path / "run")
+    (run_dir.checkpoints / "step6").mkdir(parents=True)
+    write_marker(run_dir, CheckpointMarker(step=6, tag="step6"))
+    (run_dir.path / "here").mkdir()
+    (run_dir.path / "inside_link").symlink_to(run_dir.path / "here")  # a link that stays inside is fine
+    assert run_dir.link_outside() is None
+    assert run_dir.inside(run_dir.path / "inside_link" / "x") == run_dir.path / "inside_link" / "x"
+
+    (run_dir.checkpoints / "step4").symlink_to(victim)  # as a crashed save would have left it
+    said = run_dir.claim()
+    assert said is not None and said.startswith(f"{run_dir.checkpoints / 'step4'} leads to {victim}, outside the run")
+    assert "remove the link" in said and "hydra.run.dir=PATH" in said
+    with pytest.raises(LauncherError, match="step4 leads to .*victim, outside the run directory"):
+        run_dir.inside(run_dir.checkpoint("step4"))
+    with pytest.raises(LauncherError, match="outside the run directory"):
+        prune(run_dir, keep=1)  # step4, incomplete and older than step6, would be deleted through the link
+    (run_dir.checkpoints / "step4").unlink()
+
+    (run_dir.path / "model").symlink_to(victim)  # the final model's folder, replaced at the end of a run
+    with pytest.raises(LauncherError, match="model leads to"):
+        run_dir.inside(run_dir.model)
+    (run_dir.path / "model").unlink()
+    (run_dir.path / "stages").symlink_to(tmp_path)  # a folder above the write point counts too
+    with pytest.raises(LauncherError, match="stages/sft leads to"):
+        run_dir.inside(run_dir.stage_model("sft"))
+    assert _listing(victim) == before

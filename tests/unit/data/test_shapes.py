@@ -51,6 +51,16 @@ def test_shapes_reuse_a_complete_set(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["s"]  # no temp dirs left behind
 
 
+def test_a_damaged_image_of_the_set_is_drawn_again(tmp_path):
+    """The built-in set is a cache like the others: a file that differs from the one written is not used."""
+    paths = generate_shapes(tmp_path / "s", seed=3, n_train=4, n_eval=2, image_size=16)
+    image = paths[2] / "train" / "00001.png"
+    intact = image.read_bytes()
+    image.write_bytes(intact[:20])
+    assert generate_shapes(tmp_path / "s", seed=3, n_train=4, n_eval=2, image_size=16) == paths
+    assert image.read_bytes() == intact
+
+
 def test_the_colour_task_asks_about_the_same_images(tmp_path, shapes):
     train_json, eval_json, root = shapes
     colour = generate_shapes(tmp_path / "colour", seed=0, n_train=72, n_eval=36, image_size=32, task="colour")

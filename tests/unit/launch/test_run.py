@@ -433,6 +433,13 @@ CASES = [
         run_dir="old",
     ),
     Case(
+        "resume-into-a-link-out",  # a planted link would have the final save replace a folder outside (issue 42)
+        ("resume={linked}",),
+        "{linked}/model leads to {tmp}/victim, outside the run directory {linked}: a run writes only inside its "
+        "own directory; remove the link",
+        run_dir="old",
+    ),
+    Case(
         "resume-incomplete-checkpoint",
         ("resume={incomplete}",),
         "resume={incomplete}: no complete checkpoint in {incomplete}/checkpoints",
@@ -709,6 +716,13 @@ def _inputs(case: Case, request: pytest.FixtureRequest, tmp_path: Path) -> dict[
             (old / "checkpoints" / "step2" / "launcher_complete.json").unlink()
             values["incomplete"] = old
         values["old"] = old
+    if "{linked}" in text:  # the shared run, its model/ a link to someone's folder
+        linked, victim = tmp_path / "linked", tmp_path / "victim"
+        shutil.copytree(request.getfixturevalue("quick_run").run_dir, linked)
+        shutil.move(linked / "model", victim)
+        (victim / "NOTES.txt").write_text("not the run's")
+        (linked / "model").symlink_to(victim)
+        values["linked"] = values["old"] = linked
     if "{never_saved}" in text:
         # A run directory as a job leaves it that stopped before its first checkpoint.
         never_saved = tmp_path / "never_saved"

@@ -66,6 +66,19 @@ def test_build_reuses_a_complete_dir_and_replaces_others(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp dirs left
 
 
+def test_a_tiny_build_whose_weights_changed_is_built_again_with_the_seeds_weights(tmp_path):
+    """A byte flipped in the cached weights would have the job start from other weights, silently (issue 42):
+    the build's record holds every file's checksum, and the same seed makes the same weights again."""
+    out = build("tiny_llava", tmp_path / "m")
+    weights = out / "model.safetensors"
+    intact = weights.read_bytes()
+    damaged = bytearray(intact)
+    damaged[-100] ^= 0x01  # in the tensor data, past the header: loads fine, and trains from another weight
+    weights.write_bytes(bytes(damaged))
+    assert build("tiny_llava", out) == out
+    assert weights.read_bytes() == intact
+
+
 def test_build_rejects_bad_arguments(tmp_path):
     with pytest.raises(LauncherError, match="tiny_gpt"):
         build("tiny_gpt", tmp_path / "x")
