@@ -16,7 +16,6 @@ cause) as one line, instead of every rank's and the launcher's own tracebacks.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from launcher.config.schema import DistConfig
+from launcher.core import disk
 from launcher.core.children import die_with_parent
 from launcher.core.errors import Interrupted, LauncherError, TrainingFailed
 from launcher.core.rank_errors import clear_rank_errors, first_rank_error, step_failure, step_in_flight
@@ -253,14 +253,11 @@ def outcome(job: Job, run_dir: RunDir, returncode: int, *, primary: bool = True)
 
 def _disk_full(run_dir: RunDir) -> str:
     """Why a rank that failed may have recorded nothing: the run dir's disk is full (else "")."""
-    try:
-        free = shutil.disk_usage(run_dir.path).free
-    except OSError:
-        return ""
-    if free >= FULL_DISK_BYTES:
+    free = disk.free_bytes(run_dir.path)
+    if free is None or free >= FULL_DISK_BYTES:
         return ""
     return (
-        f" and recorded no error: the disk of {run_dir.path} is full ({free / 2**20:.1f} MiB free): free disk space, "
+        f" and recorded no error: the disk of {run_dir.path} is full ({disk.said(free)}): free disk space, "
         f"then resume={run_dir.path} (complete checkpoints are kept; an incomplete one is never resumed from)"
     )
 
