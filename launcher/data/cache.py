@@ -43,7 +43,9 @@ new cache; a complete cache is reused.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -51,7 +53,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -243,7 +245,9 @@ def ensure_cache(
     started = time.perf_counter()
     building = root / f".{key}.building"  # shared by every rank, and by the next attempt of a killed build
     if part.rank == 0 and path.exists():
-        _reopen_if_damaged(path, building, sizes_only=check == "sizes")
+        with _one_check_at_a_time(root):  # two jobs that start on one damaged cache would both reopen it
+            if path.exists():  # the other job may have reopened it meanwhile: then this one builds with it
+                _reopen_if_damaged(path, building, sizes_only=check == "sizes")
     part.barrier()  # every rank sees the cache rank 0 checked (or the build it became)
     existed = _read_meta(path) is not None
     build = _ShardBuild(building, records, encode, load, on_bad_record, num_workers, shard_records)
@@ -278,6 +282,19 @@ def cache_damage(path: Path, *, sizes_only: bool = False, meta: dict | None = No
         if problem is not None:
             found[name] = problem
     return found
+
+
+@contextlib.contextmanager
+def _one_check_at_a_time(root: Path) -> Iterator[None]:
+    """Hold the data caches' folder (an OS lock on the folder itself, so no file is left behind) while a
+    job checks, and perhaps reopens, a cache in it; another job's check waits. Released however the
+    process ends."""
+    handle = os.open(root, os.O_RDONLY)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)  # releases the lock
 
 
 def _reopen_if_damaged(path: Path, building: Path, *, sizes_only: bool) -> None:

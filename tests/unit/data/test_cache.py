@@ -329,6 +329,59 @@ def test_a_damaged_cache_is_named_and_only_its_damaged_shards_are_built_again(
     assert loaded == rebuilt and not caplog.records  # intact now: reused as it is
 
 
+def test_two_jobs_starting_on_one_damaged_cache_check_it_in_turn_and_both_train_on_the_repaired_one(
+    tmp_path, mixed_records, model_and_processor, monkeypatch
+):
+    """Two jobs of a sweep start on a cache with a flipped byte. Without a turn each, both found the damage;
+    the second reopened the cache and was rebuilding it when the first, done checking, tried to reopen a
+    cache no longer there, and failed. The first job's check is held for 1 s; the second waits for it,
+    finds the cache being rebuilt, and builds with it (as two jobs on a missing cache do)."""
+    _, processor = model_and_processor
+    first = build(tmp_path, mixed_records, processor)
+    expected = _tensors(CachedDataset(first.path, processor))
+    target = first.path / "shards" / "00001" / "input_ids.bin"
+    data = bytearray(target.read_bytes())
+    data[3] ^= 0x01
+    target.write_bytes(bytes(data))
+    checked = cache_module.cache_damage
+    in_check = threading.Event()
+
+    def slow_check(*args, **kwargs):  # the first job's check: long enough for the second to arrive
+        found = checked(*args, **kwargs)
+        if not in_check.is_set():
+            in_check.set()
+            time.sleep(1.0)
+        return found
+
+    monkeypatch.setattr(cache_module, "cache_damage", slow_check)
+    results: dict[str, Any] = {}
+    records = ConversationDataset(mixed_records)
+
+    def slow_load(index: int) -> dict:  # the second job's shard is still being written when the first wakes
+        time.sleep(0.4)
+        return records[index]
+
+    def job(name: str) -> None:
+        try:
+            results[name] = build(tmp_path, mixed_records, processor, load=None if name == "first" else slow_load)
+        except BaseException as error:  # noqa: BLE001 - the test reports it
+            results[name] = error
+
+    first_job = threading.Thread(target=job, args=("first",))
+    first_job.start()
+    assert in_check.wait(60)
+    second_job = threading.Thread(target=job, args=("second",))
+    second_job.start()
+    first_job.join(120)
+    second_job.join(120)
+    for name in ("first", "second"):
+        assert not isinstance(results[name], BaseException), (name, results[name])
+        assert results[name].path == first.path
+    assert cache_module.cache_damage(first.path) == {}
+    assert_same_tensors(_tensors(CachedDataset(first.path, processor)), expected)
+    assert [p.name for p in (tmp_path / "data_cache").iterdir()] == [first.path.name]
+
+
 def test_data_cache_check_sizes_finds_a_file_cut_short_but_not_a_byte_changed(
     tmp_path, mixed_records, model_and_processor
 ):
