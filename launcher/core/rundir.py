@@ -16,6 +16,7 @@
     ended_by           who killed the ranks on purpose, and why (the tuner, once a candidate is measured)
     wandb_run_id       the W&B run a resume continues; wandb/ holds W&B's own files
     .lock              held (flock) by the job that owns the directory, for the job's whole life
+    .reserve           1 MiB of the disk kept, while the job lives, for what a failure writes on a full disk
 
 Every JSON file is written atomically (a temporary file and a rename), so nothing half-written looks
 complete, and never with NaN or Infinity (not JSON): a non-finite number is written as null.
@@ -25,16 +26,19 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
+from launcher.core import disk
 from launcher.core.errors import LauncherError
 from launcher.core.json_files import finite, read_json, write_json_atomic, write_text_atomic
 from launcher.core.summary import Summary
@@ -50,10 +54,13 @@ RUN_ENTRIES = (
         "wandb_run_id",
         "wandb",
         ".lock",
+        ".reserve",
         "export",
         "export-merged",
     ),
 )
+
+T = TypeVar("T")
 
 # Run directories this process owns: path of the lock file -> its open descriptor.
 _claimed: dict[str, int] = {}
@@ -67,6 +74,10 @@ CHECKPOINTS_DIR = "checkpoints"
 UNIVERSAL_DIR = "universal"  # checkpoints/universal/<tag>: a checkpoint converted for another shape
 MARKER_FILE = "launcher_complete.json"  # written last into a checkpoint: it is complete
 LATEST_FILE = "latest"
+RESERVE_FILE = ".reserve"
+# Room kept on the run dir's disk for the records of a failure (errors/, summary.json: a few KiB): on a full
+# disk they could not be written, and a rank and the launcher each said their line (issue 42).
+RESERVE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -237,8 +248,8 @@ class RunDir:
         An OS lock (flock) on `.lock`: held while the process lives, released by the kernel however it
         ends (a crash, SIGKILL, the out-of-memory killer), so a dead job never blocks a resume."""
         key = str(self.lock.resolve())
-        if key in _claimed:
-            return None
+        if key in _claimed:  # owned already (a job run again in this process): its reserve may have been used
+            return self._reserve_room()
         if (link := self.link_outside()) is not None:
             return link
         try:
@@ -257,8 +268,39 @@ class RunDir:
             return f"another job (pid {owner}) is running in it; wait for it to end, or choose another directory"
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
+        if (full := self._reserve_room()) is not None:
+            os.close(fd)  # not owned after all: the next claim, in this process too, tries again
+            return full
         _claimed[key] = fd  # kept open: closing it would release the lock
         return None
+
+    def _reserve_room(self) -> str | None:
+        """Keep RESERVE_BYTES of the disk for the records of a failure (`with_room`) until this process ends;
+        why not, when the disk has not even that left (a job there could record nothing)."""
+        reserve = self.path / RESERVE_FILE
+        try:
+            with open(reserve, "ab") as handle:
+                os.posix_fallocate(handle.fileno(), 0, RESERVE_BYTES)
+        except OSError as error:
+            reserve.unlink(missing_ok=True)
+            if error.errno != errno.ENOSPC:
+                return None  # a filesystem that cannot reserve: the job runs without
+            room = disk.free_space(self.path) or "no room"
+            return f"cannot write in it (No space left on device; {room}): free disk space, or choose another directory"
+        atexit.register(reserve.unlink, missing_ok=True)
+        return None
+
+    def with_room(self, write: Callable[[], T]) -> T:
+        """`write()`; where the disk is full, again once the reserved room is given back (the records of a
+        failure: a rank's error, the summary)."""
+        try:
+            return write()
+        except OSError as error:
+            reserve = self.path / RESERVE_FILE
+            if error.errno != errno.ENOSPC or not reserve.exists():
+                raise
+            reserve.unlink(missing_ok=True)
+            return write()
 
     def link_outside(self) -> str | None:
         """Why this directory holds a link a run would write through to outside it (a planted `model` or

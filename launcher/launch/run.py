@@ -294,7 +294,7 @@ class _Attempt:
                 summary.failed(message, wall_s=time.time() - self.started, status=status)
                 summary.steps = self.run_dir.last_recorded_step()  # a killed rank recorded none: its metrics say
                 try:
-                    self.run_dir.write_summary(summary)
+                    self.run_dir.with_room(lambda: self.run_dir.write_summary(summary))
                 except OSError as write_error:  # a full or read-only disk: the cause's line still reaches the user
                     message += f"; {self.run_dir.summary} could not be written ({write_error.strerror or write_error})"
         if str(self.cfg.dist.launcher) == "slurm":

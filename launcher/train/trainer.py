@@ -497,15 +497,16 @@ def _failed(err: BaseException, job: Job, run_dir: RunDir, summary: Summary, tra
     trace_file = run_dir.rank_traceback(track.rank)
     # Best effort: on a full disk these writes fail too, and must not hide the error itself, which then goes
     # to the rank's output (the launcher's line can only say that the disk is full).
+    trace = traceback.format_exc()
     try:
-        trace_file = record_rank_error(run_dir, track.rank, message, exit_code, traceback.format_exc())
+        trace_file = run_dir.with_room(lambda: record_rank_error(run_dir, track.rank, message, exit_code, trace))
     except OSError as write_error:
         print(f"error: rank {track.rank}: {message} ({run_dir.errors} not written: {write_error})", file=sys.stderr)
     run = track.run
     # A resume that failed before its checkpoint loaded has earned no summary: the run's stays as it was.
     if track.rank == 0 and (job.resume is None or (run is not None and run.start_step > 0)):
         with contextlib.suppress(OSError):
-            run_dir.write_summary(summary)
+            run_dir.with_room(lambda: run_dir.write_summary(summary))
         if run is not None:
             run.recorder.finish(summary, exit_code=1, hint=True)
     if isinstance(err, LauncherError | KeyboardInterrupt):

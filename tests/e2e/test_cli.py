@@ -31,11 +31,11 @@ finally:
 
 
 def _files(run_dir: Path) -> dict[str, bytes]:
-    """Every file of a run directory but the log Hydra appends to and the lock a job takes on it."""
+    """Every file of a run directory but the log Hydra appends to and the lock (and room) a job takes in it."""
     return {
         str(path.relative_to(run_dir)): path.read_bytes()
         for path in sorted(run_dir.rglob("*"))
-        if path.is_file() and path.name not in ("train.log", ".lock")
+        if path.is_file() and path.name not in ("train.log", ".lock", ".reserve")
     }
 
 

@@ -8,6 +8,8 @@ through faults drawn from a seed, each start the same command (`resume=auto`, as
              (launcher.train.faults)
     damage   the newest intact checkpoint's model file is cut in half between two starts, an older one kept
     cache    one byte of a data cache file flipped between two starts (the next start rebuilds its shard)
+    disk     the run dir's disk (a tmpfs of DISK_MIB) filled to 0-4 MiB of its end for one start, which
+             ends in one line, then room made again
 
 After every fault the job ends in one line (no traceback) within the tests' time limits, and at the end its
 final model's weights equal, bitwise, those of the same job run without a fault (fp32, CPU). The seed is
@@ -16,6 +18,8 @@ LAUNCHER_FAULT_SEED (default 0); docs/reliability.md records what other seeds fo
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import random
 import signal
@@ -31,7 +35,7 @@ from launcher.core.checkpoints import checkpoint_damage, complete_tags
 from launcher.core.rundir import RunDir
 from launcher.core.signals import PAUSE_ENV
 from launcher.train.faults import FAULT_ENV
-from tests.helpers import latest, read_summary, run_train_py, start_train
+from tests.helpers import ROOT, latest, read_summary, run_train_py, small_disk, start_train
 
 pytestmark = pytest.mark.slow
 
@@ -43,6 +47,7 @@ JOB = (
     "data.num_workers=1",
 )  # fmt: skip
 CACHE = "cache"  # under the test's own directory: its data cache is damaged on purpose
+DISK_MIB = 48  # the run dir's disk: three checkpoints of about 3.6 MiB and the model fit with room to spare
 FAULTS = 4  # faults that land; a damage drawn where no older intact checkpoint exists is drawn again
 SEED = int(os.environ.get("LAUNCHER_FAULT_SEED", "0"))
 STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -51,11 +56,13 @@ STOPPED = (143, 129)  # a stop the job honours with a checkpoint (143), or one b
 
 def draw(rng: random.Random) -> tuple[str, object]:
     """One fault: (kind, where), `where` counted from the step the start resumes from (so that each lands)."""
-    kind = rng.choice(["signal", "signal", "abort", "damage", "cache"])
+    kind = rng.choice(["signal", "signal", "abort", "damage", "cache", "disk"])
     if kind == "signal":
         return kind, (rng.choice(["step", "step", "eval", "save"]), rng.randint(1, 3), rng.choice(STOPS))
     if kind == "cache":
         return kind, rng.random()  # which file, and where in it
+    if kind == "disk":
+        return kind, rng.randint(0, 4 * 2**20)  # bytes left free
     return kind, rng.randint(1, 3) if kind == "abort" else None
 
 
@@ -96,8 +103,42 @@ def ended(process: subprocess.Popen, log: Path) -> int:
     return code
 
 
+def listing(root: Path) -> dict[str, tuple[int, str]]:
+    """Every file under `root` with its size and SHA-256: what a job must leave as it found it."""
+    return {
+        str(path.relative_to(root)): (path.stat().st_size, hashlib.sha256(path.read_bytes()).hexdigest())
+        for path in sorted(root.rglob("*"))
+        if path.is_file()
+    }
+
+
+def fill(disk: Path, leave: int) -> Path:
+    """A file that fills `disk` to its last `leave` bytes (a tmpfs frees what a truncation gives back)."""
+    ballast = disk / "ballast"
+    with contextlib.suppress(OSError), ballast.open("wb") as handle:
+        while True:
+            handle.write(b"\0" * 2**20)
+            handle.flush()
+    size = ballast.stat().st_size
+    with ballast.open("r+b") as handle:
+        handle.truncate(max(size - leave, 0))
+    return ballast
+
+
 def test_a_job_driven_through_seeded_faults_ends_with_the_uninterrupted_jobs_weights(isolated_env, tmp_path):
-    run_dir = tmp_path / "run"
+    with small_disk(tmp_path / "disk", DISK_MIB):
+        faults_then_compare(isolated_env, tmp_path, tmp_path / "disk")
+
+
+def faults_then_compare(isolated_env: dict[str, str], tmp_path: Path, disk: Path) -> None:
+    run_dir = disk / "run"
+    # Beside the run dir and the cache: a user's folder, and the project's top level (the jobs' working
+    # directory). Neither may change, whatever the faults (issue 42's acceptance).
+    neighbour = tmp_path / "neighbour"
+    (neighbour / "model").mkdir(parents=True)
+    (neighbour / "NOTES.txt").write_text("mine")
+    (neighbour / "model" / "model.safetensors").write_bytes(os.urandom(4096))
+    before, top_level = listing(neighbour), {path.name for path in ROOT.iterdir()}
     rng, done, number = random.Random(SEED), [], 0
     while len(done) < FAULTS:
         if (run_dir / "summary.json").exists() and read_summary(run_dir)["status"] == "completed":
@@ -113,6 +154,18 @@ def test_a_job_driven_through_seeded_faults_ends_with_the_uninterrupted_jobs_wei
                 with open(model_file, "r+b") as handle:
                     handle.truncate(model_file.stat().st_size // 2)
                 done.append(f"{tags[-1]}'s model file cut in half")
+            continue
+        if kind == "disk":
+            ballast = fill(disk, where)
+            process, log = attempt(isolated_env, tmp_path, run_dir, number, {})
+            code = ended(process, log)
+            ballast.unlink()
+            done.append(f"the disk filled to {where // 1024} KiB of its end: exit {code}")
+            if code == 0:  # the job ended on what room there was
+                continue
+            errors = [line for line in log.read_text().splitlines() if line.startswith("error: ")]
+            full = ("No space left on device", "MiB free there")  # the start refused, or a write in it failed
+            assert code in (1, 2) and len(errors) == 1 and any(why in errors[0] for why in full), (done, errors)
             continue
         if kind == "cache":
             files = sorted((tmp_path / CACHE / "data_cache").glob("*/shards/*/*.bin"))
@@ -155,4 +208,6 @@ def test_a_job_driven_through_seeded_faults_ends_with_the_uninterrupted_jobs_wei
     assert faulted.keys() == expected.keys()
     different = [name for name in expected if not torch.equal(faulted[name], expected[name])]
     assert different == [], (SEED, done, different[:5])
+    assert listing(neighbour) == before
+    assert {path.name for path in ROOT.iterdir()} - top_level <= {"outputs"}, "a job wrote into its working directory"
     print(f"seed {SEED}: {'; '.join(done) or 'no fault landed'}; the final weights equal the uninterrupted run's")

@@ -1,11 +1,12 @@
 """The package's layers, checked: a module imports only from its own layer or the ones below it.
 
-    core < config < data < model < job < plan, tracking < train < launch < tune, compare, export, prepare, infer
+    core < config < data < model < job < plan, tracking < train < launch < tune, compare, export, prepare < infer
 
 core holds what every part needs (errors, the run directory, credentials, signals); config the pure
 config logic (schema, the DeepSpeed dict); data and model what a job trains on and with; job what a job
 is (planned once, read by the ranks); plan the memory planner; tracking W&B; train one rank; launch the
-launcher process; tune, compare, export, prepare and infer the tools on top. docs/development.md
+launcher process; tune, compare, export and prepare the tools on top, and infer above them (it reads a
+checkpoint as export does). docs/development.md
 draws the same picture.
 """
 
@@ -24,7 +25,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("plan", "tracking"),
     ("train",),
     ("launch",),
-    ("tune", "compare", "export", "prepare", "infer"),
+    ("tune", "compare", "export", "prepare"),
+    ("infer",),  # reads a checkpoint as export does
 )
 RANK = {package: rank for rank, packages in enumerate(LAYERS) for package in packages}
 

@@ -82,5 +82,5 @@ def test_every_alias_names_a_key_or_a_choice_of_the_launcher():
 def test_the_launcher_refuses_the_key_before_it_writes_anything(tmp_path):
     ran = run_here(["+train.learning_rate=1e-4", "dry_run=true"], tmp_path / "run")
     assert ran.outcome.exit_code == 1 and "did you mean train.lr?" in ran.outcome.error
-    # Nothing but the run directory's lock: no .hydra/, no job.json, no ds_config.json, no summary.json.
-    assert {path.name for path in (tmp_path / "run").iterdir()} <= {".lock"}
+    # Nothing but the run directory's lock and reserve: no .hydra/, no job.json, no ds_config.json, no summary.json.
+    assert {path.name for path in (tmp_path / "run").iterdir()} <= {".lock", ".reserve"}

@@ -97,7 +97,7 @@ def _files(run_dir: Path) -> dict[str, bytes]:
     return {
         str(path.relative_to(run_dir)): path.read_bytes()
         for path in sorted(run_dir.rglob("*"))
-        if path.is_file() and path.name != ".lock"
+        if path.is_file() and path.name not in (".lock", ".reserve")
     }
 
 

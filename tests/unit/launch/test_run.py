@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from launcher.config.schema import run_dir_of
+from launcher.core.disk import free_bytes
 from launcher.core.overrides import argument
 from tests.helpers import QUICK, ROOT, Ran, cpu_only, no_fp16, read_summary, run_here, small_disk
 
@@ -740,11 +741,11 @@ def _where(args: list[str], tmp_path: Path) -> Path:
 
 # ---------------------------------------------------------------------------------------------- checks
 def _files(run_dir: Path) -> dict[str, bytes]:
-    """Every file of a run directory but the log a job appends to and the lock it takes on it."""
+    """Every file of a run directory but the log a job appends to and the lock (and room) it takes in it."""
     return {
         str(path.relative_to(run_dir)): path.read_bytes()
         for path in sorted(run_dir.rglob("*"))
-        if path.is_file() and path.name not in ("train.log", ".lock")
+        if path.is_file() and path.name not in ("train.log", ".lock", ".reserve")
     }
 
 
@@ -1065,11 +1066,23 @@ def test_a_full_disk_during_a_save_is_one_line_even_where_the_summary_cannot_be_
                 handle.flush()
         capfd.readouterr()
         full = train_in_process(f"resume={run_dir}", run_dir=run_dir)
-        assert full.outcome.status == "failed" and full.outcome.exit_code in (1, 2), full.outcome
-        said = full.outcome.error
-        assert said.startswith(f"cannot write {run_dir}/") and "(No space left on device; 0.0 MiB free there)" in said
-        assert said.endswith(f"; {run_dir / 'summary.json'} could not be written (No space left on device)"), said
-        assert "\n" not in said and "Traceback" not in said
+        assert full.outcome.status == "failed" and full.outcome.exit_code == 2, full.outcome
+        assert full.outcome.error == (
+            f"hydra.run.dir={run_dir}: cannot write in it (No space left on device; 0.0 MiB free): free disk "
+            "space, or choose another directory"
+        )
+        assert "Traceback" not in capfd.readouterr().err
+        ballast.unlink()
+
+        # Room for the reserve (docs/reliability.md), not for a checkpoint: the save fails, and the rank's
+        # record and the summary are still written (the reserve given back), so the job says one line.
+        resize(12)
+        with ballast.open("wb") as handle:
+            handle.write(b"\0" * (int(free_bytes(disk)) - 5 * 2**19))  # 2.5 MiB left: a checkpoint needs 3.6
+        short = train_in_process(f"resume={run_dir}", run_dir=run_dir)
+        line = assert_one_clear_error(short, f"cannot write checkpoint {run_dir / 'checkpoints' / 'step2'} (", 1)
+        assert "could not be written" not in line and "not written" not in line
+        assert read_summary(run_dir)["status"] == "failed" and (run_dir / "errors" / "rank0.json").is_file()
         assert "Traceback" not in capfd.readouterr().err
 
         ballast.unlink()

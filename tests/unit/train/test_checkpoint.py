@@ -193,11 +193,11 @@ def copy_of(run_dir: Path, where: Path) -> Path:
 
 
 def files_of(run_dir: Path) -> dict[str, bytes]:
-    """Every file of a run directory but its log and the lock a job takes on it."""
+    """Every file of a run directory but its log and the lock (and room) a job takes in it."""
     return {
         str(path.relative_to(run_dir)): path.read_bytes()
         for path in sorted(run_dir.rglob("*"))
-        if path.is_file() and path.name not in ("train.log", ".lock")
+        if path.is_file() and path.name not in ("train.log", ".lock", ".reserve")
     }
 
 
