@@ -27,7 +27,7 @@ def _flip(path: Path) -> None:
 
 DAMAGE = {
     "a byte flipped": (lambda out: _flip(out / "weights.bin"), "weights.bin: its checksum differs"),
-    "cut short": (lambda out: (out / "weights.bin").write_bytes(b"\0" * 10), "weights.bin: 10 bytes, the manifest says"),
+    "cut short": (lambda out: (out / "weights.bin").write_bytes(bytes(10)), "weights.bin: 10 bytes, the manifest says"),
     "a file missing": (lambda out: (out / "sub" / "config.json").unlink(), "sub/config.json: missing"),
     "the record broken": (lambda out: (out / "build.json").write_text("{"), None),
     "the record missing": (lambda out: (out / "build.json").unlink(), None),

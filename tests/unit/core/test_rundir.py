@@ -177,7 +177,8 @@ def test_a_directory_that_cannot_be_written_is_refused_with_the_reason_not_a_tra
 
 def _listing(root: Path) -> dict[str, str]:
     """Every file under `root`, by relative path, with a hash of its bytes: what must not change."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
+    files = (path for path in root.rglob("*") if path.is_file())
+    return {str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest() for path in files}
 
 
 def test_a_link_planted_in_the_run_dir_is_refused_at_the_start_and_where_a_run_writes(tmp_path):
@@ -201,7 +202,7 @@ def test_a_link_planted_in_the_run_dir_is_refused_at_the_start_and_where_a_run_w
     said = run_dir.claim()
     assert said is not None and said.startswith(f"{run_dir.checkpoints / 'step4'} leads to {victim}, outside the run")
     assert "remove the link" in said and "hydra.run.dir=PATH" in said
-    with pytest.raises(LauncherError, match="step4 leads to .*victim, outside the run directory"):
+    with pytest.raises(LauncherError, match=r"step4 leads to .*victim, outside the run directory"):
         run_dir.inside(run_dir.checkpoint("step4"))
     with pytest.raises(LauncherError, match="outside the run directory"):
         prune(run_dir, keep=1)  # step4, incomplete and older than step6, would be deleted through the link

@@ -364,7 +364,7 @@ def test_two_jobs_starting_on_one_damaged_cache_check_it_in_turn_and_both_train_
     def job(name: str) -> None:
         try:
             results[name] = build(tmp_path, mixed_records, processor, load=None if name == "first" else slow_load)
-        except BaseException as error:  # noqa: BLE001 - the test reports it
+        except BaseException as error:
             results[name] = error
 
     first_job = threading.Thread(target=job, args=("first",))
