@@ -46,7 +46,7 @@ ModelSource = _choice("ModelSource", ("tiny", "pretrained", "random"))
 TinyArch = _choice("TinyArch", ("tiny_llava", "tiny_qwen2_vl"))
 OnBadRecord = _choice("OnBadRecord", ("error", "skip"))
 Truncation = _choice("Truncation", ("truncate", "skip"))
-CacheImages = _choice("CacheImages", ("encoded", "pixels"))
+CacheImages = _choice("CacheImages", ("auto", "encoded", "pixels"))
 CacheCheck = _choice("CacheCheck", ("checksums", "sizes"))
 DataFormat = _choice("DataFormat", ("auto", "llava", "sharegpt", "messages"))
 DistLauncher = _choice("DistLauncher", ("local", "torchrun", "deepspeed", "slurm"))
@@ -309,9 +309,10 @@ class DataConfig:
     streaming: bool = False
     # Streaming: rows shuffled together, in blocks of this many consecutive rows (1: the files' order).
     shuffle_block: int = 1000
-    # How the cache keeps images: encoded (the files' bytes; DataLoader workers decode and process them)
-    # or pixels (the image processor's float32 output: no image work per step, ~50x the disk).
-    cache_images: CacheImages = CacheImages.encoded
+    # How the cache keeps images: encoded (the files' bytes; DataLoader workers decode and process them),
+    # pixels (the image processor's float32 output: no image work per step, ~50x the disk), or auto: pixels
+    # while the split's pixel values surely fit in 2 GiB (images of a fixed size), encoded otherwise.
+    cache_images: CacheImages = CacheImages.auto
     # What each start checks of a built cache before training on it: every file's size and checksum (reads
     # the whole cache: disk-bound, ~8 GB/s from the page cache), or the sizes alone (a stat per file).
     cache_check: CacheCheck = CacheCheck.checksums

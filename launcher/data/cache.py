@@ -1,11 +1,13 @@
-"""The fast data path: every record tokenized once into memory-mapped shards, its images kept encoded.
+"""The fast data path: every record tokenized once into memory-mapped shards, its images kept encoded
+(or, for small sets of small images, as pixel values).
 
 Without it each step runs the whole processor again (the chat template, the tokenizer, the image
 processor). With it a step reads ready token tensors and pads them; DataLoader workers decode each
 record's images from the bytes stored beside its tokens and run the image processor on them, as the
-processor would (`data.cache_images=encoded`, the default). `data.cache_images=pixels` stores the image
-processor's float32 output instead (4 bytes per value: 1.3 MiB per 336 x 336 image, against the tens of
-KB of its JPEG): no image work left for the workers, for sets small enough to afford the disk.
+processor would (`data.cache_images=encoded`). `data.cache_images=pixels` stores the image processor's
+float32 output instead (4 bytes per value: 1.3 MiB per 336 x 336 image, against the tens of KB of its
+JPEG): no image work left for the workers, for sets small enough to afford the disk. `auto`, the default,
+picks pixels while they surely fit in PIXELS_BUDGET_BYTES (`image_storage`).
 
 Layout of one cache (a directory under cache_dir/data_cache/, named by its key):
     meta.json          the key's inputs, record count, the records skipped (and why) and cut, the shards and
@@ -91,7 +93,11 @@ SHARDS_DIR = "shards"
 CHECKSUM = "xxh3_128"  # the files' checksum in shard.json and meta.json (launcher.core.manifest)
 CHECK_SAY_S = 10.0  # a check of a complete cache that takes longer says how long it took
 SHARD_RECORDS = 2048  # records per shard: what a killed build loses at most, per rank
-IMAGE_STORAGE = tuple(choice.value for choice in CacheImages)  # data.cache_images, as the schema spells it
+IMAGE_STORAGE = tuple(choice.value for choice in CacheImages if choice.value != "auto")  # how a cache keeps them
+# data.cache_images=auto keeps pixel values while a split's would take at most this: on a small set of small
+# images (the built-in one: 4,200 of 32 x 32, 50 MB) the workers' decoding cost the default job 1.36x the CPU
+# of keeping pixels (bench/default_job.py, issue 44); on LLaVA-665K they would take ~900 GB.
+PIXELS_BUDGET_BYTES = 2 << 30
 # The tensors an encoded record holds in place of pixel_values: its images' bytes, and each one's length.
 IMAGE_BYTES, IMAGE_LENGTHS = "image_bytes", "image_lengths"
 PROGRESS_EVERY_S = 30.0
@@ -143,6 +149,34 @@ def _image_identity(image: str | bytes) -> Any:
         return hashlib.sha256(image).hexdigest()
     stat = os.stat(image)
     return [image, stat.st_size, stat.st_mtime_ns]
+
+
+def image_storage(setting: str, processor: Any, sample: Sequence[dict], records: int) -> str:
+    """How a split of `records` records like `sample`'s keeps its images: `setting` (data.cache_images),
+    with auto made pixels when the image processor's output has a bound (a fixed size, or a max_pixels)
+    whose total over the split's images stays within PIXELS_BUDGET_BYTES, encoded otherwise."""
+    if setting != "auto":
+        return setting
+    per_image = pixel_bytes_bound(processor.image_processor)
+    images_per_record = sum(len(record.get("images") or ()) for record in sample) / max(1, len(sample))
+    if per_image is None or images_per_record * records * per_image > PIXELS_BUDGET_BYTES:
+        return "encoded"
+    return "pixels"
+
+
+def pixel_bytes_bound(image_processor: Any) -> int | None:
+    """The most bytes one image's float32 pixel values take with this image processor: a fixed size (a
+    centre crop, or a resize to height x width), or a dynamic resolution's max_pixels (Qwen2-VL: two
+    frames per patch); None when nothing bounds it."""
+    size = getattr(image_processor, "size", None) or {}
+    most = getattr(image_processor, "max_pixels", None) or size.get("longest_edge")
+    if most and hasattr(image_processor, "temporal_patch_size"):
+        return int(most) * 3 * int(image_processor.temporal_patch_size or 2) * 4
+    crop = getattr(image_processor, "crop_size", None) if getattr(image_processor, "do_center_crop", False) else None
+    fixed = crop or (size if "height" in size and "width" in size else None)
+    if fixed and "height" in fixed and "width" in fixed:
+        return int(fixed["height"]) * int(fixed["width"]) * 3 * 4
+    return None
 
 
 # ----------------------------------------------------------------------------- building
@@ -358,12 +392,14 @@ def ensure_job_cache(
 ) -> CacheInfo:
     """The cache of one split of a job's records, as a job with this `data` config and `model` (its
     resolved path) keys and builds it: the job itself, and `python -m launcher.prepare` before it."""
+    sample = [records[index] for index in range(min(len(records), 1000))]
+    images = image_storage(str(data.cache_images), processor, sample, len(records))
     return ensure_cache(
         cache / "data_cache",
         records,
         processor,
         model,
-        RecordEncoder(processor, LengthLimit.of(data), str(data.cache_images)),
+        RecordEncoder(processor, LengthLimit.of(data), images),
         ConversationDataset(records).__getitem__,
         on_bad_record=str(data.on_bad_record),
         num_workers=int(data.num_workers),

@@ -134,7 +134,9 @@ def deepspeed_command(dist: DistConfig, world_size: int, run_dir: Path, port: in
             f"dist.nnodes={dist.nnodes} x dist.nproc_per_node={dist.nproc_per_node} = {planned}: "
             "make them agree"
         )
-    command = [sys.executable, "-m", "deepspeed.launcher.runner", f"--hostfile={dist.hostfile}"]
+    # Warnings only: at its default (info) the runner and each node's launch print their world dicts and
+    # commands, a dozen lines before the job's own (issue 44).
+    command = [sys.executable, "-m", "deepspeed.launcher.runner", f"--hostfile={dist.hostfile}", "--log_level=warning"]
     if dist.include:
         command.append(f"--include={dist.include}")
     if dist.exclude:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from launcher.config.schema import Config
 from launcher.core.errors import LauncherError
-from launcher.data.cache import RecordEncoder, built_cache, cache_key
+from launcher.data.cache import RecordEncoder, built_cache, cache_key, image_storage
 from launcher.data.estimate import DataCost, cache_cost, index_cost
 from launcher.data.index import Records, RecordTable, file_identity, index_table
 from launcher.data.length import LengthLimit
@@ -50,17 +50,22 @@ def _cache(cfg: Config, source: Source, index: DataCost, encode: RecordEncoder |
     if index.built:
         identity = file_identity(source.path) or []  # a local file: index_cost found its index
         table = RecordTable(index_table(identity, source.options, cache / INDEX_DIR))
-        sample = [table[i] for i in range(min(len(table), 500))]
-        if encode is not None:
-            key = cache_key(Records([table]), encode.processor, model_path, encode.limit, encode.images)
-            built = built_cache(cache / "data_cache" / key)
-            if built is not None:
-                return DataCost("data cache", True, built.records, built.bytes, built.build_seconds)
+        sample = [table[i] for i in range(min(len(table), 1000))]
+    records = int(index.records or 0)
+    images = str(data.cache_images)
+    if encode is not None:  # data.cache_images=auto decided as the job decides it (launcher.data.cache)
+        images = image_storage(images, encode.processor, sample or [], records)
+        encode = RecordEncoder(encode.processor, encode.limit, images)
+    if index.built and encode is not None:
+        key = cache_key(Records([table]), encode.processor, model_path, encode.limit, encode.images)
+        built = built_cache(cache / "data_cache" / key)
+        if built is not None:
+            return DataCost("data cache", True, built.records, built.bytes, built.build_seconds)
     return cache_cost(
-        int(index.records or 0),
+        records,
         sample or [],
         max_length=data.max_length,
-        images=str(data.cache_images),
+        images=images,
         encode=encode,
         ranks=world_size_of(cfg),
     )
@@ -76,4 +81,4 @@ def _encoder(cfg: Config, model_path: str) -> RecordEncoder | None:
     except (LauncherError, OSError, ValueError) as err:
         log.debug("no processor for the data plan: %s", err)
         return None
-    return RecordEncoder(processor, LengthLimit.of(cfg.data), str(cfg.data.cache_images))
+    return RecordEncoder(processor, LengthLimit.of(cfg.data))  # its images: per split (_cache)

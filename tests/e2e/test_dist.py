@@ -52,10 +52,11 @@ def train(args: list[str], env: dict[str, str], extra_env: dict[str, str] | None
     )
 
 
-def finish(*processes: subprocess.Popen) -> None:
+def finish(*processes: subprocess.Popen) -> list[str]:
     outputs = [process.communicate(timeout=900)[0] for process in processes]
     for process, output in zip(processes, outputs, strict=True):
         assert process.returncode == 0, output[-3000:]
+    return outputs
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,9 @@ def deepspeed_hostfile(run_dir: Path, env: dict[str, str]) -> Path:
     hostfile = run_dir.parent / "hostfile"
     hostfile.write_text("localhost slots=2\n")
     args = [*RUN, "dist=deepspeed", f"dist.hostfile={hostfile}", "dist.nproc_per_node=2", f"hydra.run.dir={run_dir}"]
-    finish(train(args, env))
+    (output,) = finish(train(args, env))
+    chatter = [line for line in output.splitlines() if "[INFO] [runner.py" in line or "[INFO] [launch.py" in line]
+    assert chatter == []  # DeepSpeed's launcher says warnings only, not its world dicts and commands
     return run_dir
 
 

@@ -382,6 +382,29 @@ def test_two_jobs_starting_on_one_damaged_cache_check_it_in_turn_and_both_train_
     assert [p.name for p in (tmp_path / "data_cache").iterdir()] == [first.path.name]
 
 
+def test_auto_keeps_pixels_while_a_splits_pixel_values_surely_fit_and_encoded_images_otherwise(
+    mixed_records, model_and_processor
+):
+    """data.cache_images=auto (the default): the built-in set's 32 x 32 images as pixel values (decoding them
+    each step cost the default job 1.36x the CPU, issue 44), LLaVA-665K's as their files' bytes."""
+    _, processor = model_and_processor
+    image_processor = processor.image_processor
+    side = 32  # the tiny families' image size (tests' SIZES)
+    per_image = side * side * 3 * 4 * getattr(image_processor, "temporal_patch_size", 1)  # Qwen2-VL: its frames
+    assert cache_module.pixel_bytes_bound(image_processor) == per_image
+    images_per_record = sum(len(r["images"]) for r in mixed_records) / len(mixed_records)
+    fits = int(cache_module.PIXELS_BUDGET_BYTES / (per_image * images_per_record))
+    assert cache_module.image_storage("auto", processor, mixed_records, fits) == "pixels"
+    assert cache_module.image_storage("auto", processor, mixed_records, fits + 1) == "encoded"
+    assert cache_module.image_storage("encoded", processor, mixed_records, 1) == "encoded"  # as given
+    assert cache_module.image_storage("pixels", processor, mixed_records, 10**9) == "pixels"
+    text_only = [r for r in mixed_records if not r["images"]]
+    assert cache_module.image_storage("auto", processor, text_only, 10**9) == "pixels"  # no image to keep
+
+    unbounded = type("Unbounded", (), {"size": {"shortest_edge": 224}})()  # nothing in its config bounds it
+    assert cache_module.pixel_bytes_bound(unbounded) is None
+
+
 def test_data_cache_check_sizes_finds_a_file_cut_short_but_not_a_byte_changed(
     tmp_path, mixed_records, model_and_processor
 ):
