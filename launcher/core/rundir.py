@@ -71,6 +71,7 @@ SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
 DS_CONFIG_FILE = "ds_config.json"
 CHECKPOINTS_DIR = "checkpoints"
+STAGES_DIR = "stages"  # stages/<name>: the model each stage of train.stages ended with
 UNIVERSAL_DIR = "universal"  # checkpoints/universal/<tag>: a checkpoint converted for another shape
 MARKER_FILE = "launcher_complete.json"  # written last into a checkpoint: it is complete
 LATEST_FILE = "latest"
@@ -177,7 +178,7 @@ class RunDir:
         A name that is a path (launcher.config.stages refuses those) could never reach outside the run dir."""
         if Path(stage).name != stage or stage in ("", ".", ".."):
             raise ValueError(f"stage name {stage!r} is a path, not a name")
-        return self.path / "stages" / stage
+        return self.path / STAGES_DIR / stage
 
     @property
     def skipped_records(self) -> Path:
@@ -305,13 +306,19 @@ class RunDir:
     def link_outside(self) -> str | None:
         """Why this directory holds a link a run would write through to outside it (a planted `model` or
         `checkpoints/step4` leading to someone's folder, which a save would replace or a prune delete), or
-        None. Looked for at the start; `inside` checks again where the run writes."""
+        None: its own entries, and everything under the folders the launcher replaces and deletes in
+        (checkpoints/, stages/). W&B's folder is W&B's: it links its core's log to ~/.cache/wandb, and
+        writes through that link by design. Looked for at the start; `inside` checks again where the run
+        writes."""
         root = self.path.resolve()
-        for folder, names, files in os.walk(self.path):  # links are not followed: each is met as an entry
-            for name in [*names, *files]:
-                entry = Path(folder) / name
-                if entry.is_symlink() and not entry.resolve().is_relative_to(root):
-                    return _outside(entry, root)
+        entries = [entry for entry in self.path.iterdir()] if self.path.is_dir() else []
+        for tree in (CHECKPOINTS_DIR, STAGES_DIR):
+            if (self.path / tree).is_dir() and not (self.path / tree).is_symlink():
+                for folder, names, files in os.walk(self.path / tree):  # links are met as entries, not followed
+                    entries += [Path(folder) / name for name in [*names, *files]]
+        for entry in entries:
+            if entry.is_symlink() and not entry.resolve().is_relative_to(root):
+                return _outside(entry, root)
         return None
 
     def inside(self, path: Path) -> Path:

@@ -195,6 +195,10 @@ def test_a_link_planted_in_the_run_dir_is_refused_at_the_start_and_where_a_run_w
     write_marker(run_dir, CheckpointMarker(step=6, tag="step6"))
     (run_dir.path / "here").mkdir()
     (run_dir.path / "inside_link").symlink_to(run_dir.path / "here")  # a link that stays inside is fine
+    logs = run_dir.path / "wandb" / "offline-run-1" / "logs"
+    logs.mkdir(parents=True)
+    (tmp_path / "core-debug.log").write_text("")
+    (logs / "debug-core.log").symlink_to(tmp_path / "core-debug.log")  # W&B's own, as W&B 0.2x makes it
     assert run_dir.link_outside() is None
     assert run_dir.inside(run_dir.path / "inside_link" / "x") == run_dir.path / "inside_link" / "x"
 
