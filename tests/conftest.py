@@ -18,6 +18,12 @@ import pytest
 
 from tests.helpers import QUICK, Ran, one_rank_group, run_here, run_train_py, subprocess_env, train_here
 
+# One cache for every job the tests run, in this process or as a subprocess (tests/helpers.subprocess_env):
+# a VLM_LAUNCHER_CACHE set in the shell gave the shared runs made here another tiny model's path than the
+# resumes run as subprocesses, hence another data cache key, and four resumes failed ("the training data
+# changed").
+os.environ["VLM_LAUNCHER_CACHE"] = str(Path(__file__).resolve().parents[1] / "outputs" / "cache")
+
 
 @pytest.fixture
 def isolated_env(tmp_path: Path) -> dict[str, str]:
