@@ -236,6 +236,11 @@ def _model_source(cfg: Any) -> None:
     """A pretrained model needs a path (a random one too: its architecture's); a tiny one is built from code
     and takes none."""
     model = cfg.model
+    if str(model.source) != "tiny" and str(model.tiny_base) != "auto":
+        raise LauncherError(
+            f"model.tiny_base={model.tiny_base} sets a tiny model's starting weights, and model={model.name} is "
+            f"model.source={model.source}: drop model.tiny_base, or train a tiny model (model=tiny_llava)"
+        )
     if str(model.source) in ("pretrained", "random"):
         if not model.path:
             raise LauncherError(f"model.path is empty for model={model.name}: give a hub id or a local directory")

@@ -57,6 +57,9 @@ Method = _choice("Method", ("full", "lora", "qlora"))
 AttnImplementation = _choice("AttnImplementation", ("auto", "eager", "sdpa", "flash_attention_2"))
 Batching = _choice("Batching", ("pad", "group", "pack"))
 ShapesTask = _choice("ShapesTask", ("shape", "colour"))
+# A tiny model's starting weights (model.tiny_base): random, or pretrained once on one of the built-in set's
+# tasks; auto pretrains where adapters would otherwise learn around noise (launcher.model.method.tiny_base_task).
+TinyBase = _choice("TinyBase", ("auto", "random", "shape", "colour"))
 QuantType = _choice("QuantType", ("nf4", "fp4"))
 # The training objective (the `loss` group): supervised fine-tuning, or a preference loss on chosen and
 # rejected answers (launcher.train.preference).
@@ -192,6 +195,10 @@ class ModelConfig:
     # pretrained, random: a hub id or a local directory (random reads only its config); tiny: null.
     path: str | None = None
     arch: TinyArch | None = None  # tiny models only: the architecture to build
+    # Tiny models only: their starting weights. auto: random for a full fine-tune; for adapters (method=lora|qlora)
+    # on the built-in data, the tiny model pretrained once on the built-in set's other question (cached), so
+    # the adapters learn a second task, as LoRA is used. random, or a task (shape, colour) to pretrain on.
+    tiny_base: TinyBase = TinyBase.auto
     freeze_vision: bool = False
     freeze_projector: bool = False
     freeze_language: bool = False

@@ -47,3 +47,10 @@ def one_line(err: BaseException, *, named: bool = False, limit: int | None = Non
     if limit is not None and len(text) > limit:
         text = text[: limit - 3] + "..."
     return text
+
+
+def error_line(output: str) -> str:
+    """A child job's one-line error from its output (train.py prints `error: ...`), else its last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    return (errors[-1].removeprefix("error:").strip() if errors else lines[-1] if lines else "no output")[:500]

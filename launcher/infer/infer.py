@@ -153,8 +153,11 @@ def answer_batch(model: Any, processor: Any, path: Path, decoding: Decoding) -> 
     return out
 
 
-def main(argv: Sequence[str] | None = None, questions: Iterable[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launcher.infer", description=__doc__.split("\n\n")[0])
+def main(
+    argv: Sequence[str] | None = None, questions: Iterable[str] | None = None, prog: str = "python -m launcher.infer"
+) -> int:
+    """The command line (`python -m launcher.infer`, or `launcher.chat`: `prog`)."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="a run directory, a model directory or a hub id")
     parser.add_argument("question", nargs="?", help="the question (none: one per line from stdin)")
     parser.add_argument("--image", type=Path, default=None, help="the image the questions are about")

@@ -46,6 +46,7 @@ from launcher.job.checks import check_inputs
 from launcher.job.planning import job_credentials, plan_job, training_length
 from launcher.job.spec import HydraJob, Job, read_job
 from launcher.launch import slurm
+from launcher.launch.base import pretrained_base
 from launcher.launch.ranks import start_ranks
 from launcher.model.method import adapters_on_random_base
 from launcher.model.stats import model_dir
@@ -225,7 +226,8 @@ class _Attempt:
         check_inputs(config, job, launching=not config.dry_run)
         if (warning := adapters_on_random_base(config)) is not None:
             self.say(f"warning: {warning}")
-        job = job.replace(model_path=model_dir(config))  # a tiny model is built here, once, for every rank
+        # A tiny model is built here, once, for every rank (and its base trained, model.tiny_base).
+        job = job.replace(model_path=pretrained_base(config, model_dir(config), self.say))
         pause_for_test("plan")  # the tests' stop signals land here (a no-op otherwise)
         job = job.replace(planned_memory_bytes=_check_memory(config, job, self.say))
         job = self._resume(config, job, cfg, hydra)

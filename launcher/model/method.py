@@ -195,11 +195,29 @@ def apply_method(model: nn.Module, method: Any, model_cfg: Any) -> nn.Module:
         return get_peft_model(model, config)
 
 
+def tiny_base_task(cfg: Any) -> str | None:
+    """The built-in task a tiny model is pretrained on before the job trains it (model.tiny_base), or None:
+    its random weights. auto pretrains for adapters on the built-in data, on the set's other question (a
+    shape job's base answers colours; a colour job's, shapes), so `python train.py method=lora` shows
+    what LoRA is for: a trained model learning a second task. A base pretrained on the job's own question
+    would know the answer before the first step; one for other data would not know its words."""
+    model = cfg.model
+    choice = str(model.tiny_base)
+    if str(model.source) != "tiny" or choice == "random":
+        return None
+    if choice != "auto":
+        return choice
+    if not uses_adapters(cfg.method) or not cfg.data.synthetic:
+        return None
+    return "colour" if str(cfg.data.task) == "shape" else "shape"
+
+
 def adapters_on_random_base(cfg: Any) -> str | None:
-    """The warning for adapters on a base with random weights (a tiny or random build): they can only learn
-    around noise, and the run looks broken (issue 44: `python train.py method=lora`, exact match 0.42)."""
+    """The warning for adapters on a base with random weights (a tiny build not pretrained, a random build):
+    they can only learn around noise, and the run looks broken (issue 44: `python train.py method=lora`,
+    exact match 0.42)."""
     source = str(cfg.model.source)
-    if not uses_adapters(cfg.method) or source == "pretrained":
+    if not uses_adapters(cfg.method) or source == "pretrained" or tiny_base_task(cfg) is not None:
         return None
     return (
         f"method={cfg.method.name} on model.source={source}: the base's weights are random, so the adapters learn "

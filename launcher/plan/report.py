@@ -28,7 +28,7 @@ from launcher.core.errors import LauncherError, one_line
 from launcher.job.checks import detect_device
 from launcher.job.planning import plan_job, variant_overrides, world_size_of
 from launcher.job.spec import HydraJob, Job
-from launcher.model.stats import ModelStats, model_dir, model_stats, planned_at_max_length, sequence
+from launcher.model.stats import ModelStats, model_dir, model_stats, pack_length, planned_at_max_length, sequence
 from launcher.plan.data import data_lines
 from launcher.plan.memory import (
     PRESETS,
@@ -118,6 +118,13 @@ def plan_rows(
             ok, why = fits(est, target)
             rows.append(Row(preset, dtype, est, ok, why))
     return rows
+
+
+def _sample_source(cfg: Config) -> str:
+    """What the planned sample is, and where its length comes from: the start of the job line's parenthesis."""
+    if not cfg.plan.seq_len and cfg.data.packing and pack_length(cfg.data) is not None:
+        return f"packed row ({'data.pack_length' if cfg.data.pack_length is not None else 'data.max_length'}; "
+    return f"sample ({'data.max_length; ' if planned_at_max_length(cfg) else ''}"
 
 
 def deepspeed_reference(stats: ModelStats, layout: Layout) -> tuple[int, int] | None:
@@ -268,8 +275,7 @@ def report(cfg: Config, overrides: Sequence[str] = ()) -> str:
         f"model {stats.name}: {stats.total / 1e6:,.1f}M parameters ({components}); "
         f"{stats.trainable / 1e6:,.1f}M trainable (method={cfg.method.name})",
         f"job: {world_size} rank(s), {cfg.dist.nproc_per_node} per node; micro batch {micro}; "
-        f"{seq_len} tokens per sample ({'data.max_length; ' if planned_at_max_length(cfg) else ''}"
-        f"{images} image(s) x {stats.image_tokens} image tokens)",
+        f"{seq_len} tokens per {_sample_source(cfg)}{images} image(s) x {stats.image_tokens} image tokens)",
         f"device: {target.device_bytes / GiB:.1f} GiB ({target.source}); CPU per node: {cpu}; "
         f"fits = within {1 - target.headroom:.0%} (plan.headroom={target.headroom:g})",
         *data_lines(cfg, path),

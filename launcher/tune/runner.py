@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 from launcher.config.compose import compose
 from launcher.config.schema import TuneConfig
-from launcher.core.errors import Interrupted
+from launcher.core.errors import Interrupted, error_line
 from launcher.core.json_files import write_text_atomic
 from launcher.core.overrides import override_key
 from launcher.core.rundir import RunDir
@@ -149,13 +149,6 @@ def _read_new_records(path: Path, offset: int) -> tuple[list[dict[str, Any]], in
     complete = data[: data.rfind(b"\n") + 1]
     records = [json.loads(line) for line in complete.splitlines() if line.strip() and b'"step"' in line]
     return records, offset + len(complete)
-
-
-def error_line(output: str) -> str:
-    """A job's one-line error from its output (train.py prints `error: ...`), else its last line."""
-    lines = [line.strip() for line in output.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("error:")]
-    return (errors[-1].removeprefix("error:").strip() if errors else lines[-1] if lines else "no output")[:500]
 
 
 def _candidate_env(name: str) -> dict[str, str]:

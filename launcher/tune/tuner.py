@@ -47,7 +47,7 @@ from launcher.config.compose import compose
 from launcher.config.ranges import check_config
 from launcher.config.schema import TRAINABLE, Config, plain, typed
 from launcher.core import credentials
-from launcher.core.errors import Interrupted, LauncherError, one_line
+from launcher.core.errors import Interrupted, LauncherError, error_line, one_line
 from launcher.core.overrides import override_key
 from launcher.core.rundir import RunDir
 from launcher.core.signals import STOP_SIGNALS, handling, name
@@ -73,7 +73,7 @@ from launcher.tune.decide import (
     skip_reason,
 )
 from launcher.tune.report import CSV_COLUMNS, Tuning, describe, table_rows, write_outputs, write_plot
-from launcher.tune.runner import error_line, own_cpu_s, run_candidate
+from launcher.tune.runner import own_cpu_s, run_candidate
 from launcher.tune.space import base_overrides, default_micro_batch_sizes, search_space
 
 ROOT = Path(__file__).resolve().parents[2]  # where train.py is

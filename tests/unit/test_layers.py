@@ -1,6 +1,6 @@
 """The package's layers, checked: a module imports only from its own layer or the ones below it.
 
-    core < config < data < model < job < plan, tracking < train < launch < tune, compare, export, prepare < infer
+    core < config < data < model < job < plan, tracking < train < launch < tune, compare, export, prepare < infer < chat
 
 core holds what every part needs (errors, the run directory, credentials, signals); config the pure
 config logic (schema, the DeepSpeed dict); data and model what a job trains on and with; job what a job
@@ -27,6 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("launch",),
     ("tune", "compare", "export", "prepare"),
     ("infer",),  # reads a checkpoint as export does
+    ("chat",),  # launcher.infer under the name LLaMA-Factory's users type
 )
 RANK = {package: rank for rank, packages in enumerate(LAYERS) for package in packages}
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from launcher.core.errors import Interrupted, LauncherError, TrainingFailed, one_line
+from launcher.core.errors import Interrupted, LauncherError, TrainingFailed, error_line, one_line
 
 
 def test_exit_codes_say_how_a_job_ended():
@@ -38,3 +38,10 @@ def test_an_error_raised_in_a_dataloader_worker_is_its_last_line():
     assert one_line(LauncherError(message)) == "data.path=x.json: record 3 has no image"
     plain = "Caught ValueError in DataLoader worker process 1.\nTraceback ...\nsomething without a class\n"
     assert one_line(RuntimeError(plain)) == "something without a class"
+
+
+def test_a_jobs_error_line_is_its_error_else_its_last_line():
+    assert error_line("starting\nerror: first\nmore\nerror: the last one\ntail\n") == "the last one"
+    assert error_line("one\n  two  \n\n") == "two"
+    assert error_line("") == "no output"
+    assert len(error_line("error: " + "x" * 900)) == 500

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 
 import pytest
 from PIL import Image
 
 from launcher.infer.infer import Decoding, answer, load_checkpoint, load_trained, main
+from tests.helpers import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +33,17 @@ def test_a_run_answers_each_question_with_its_greedy_answer(quick_run, red_squar
     monkeypatch.setattr("sys.stdin", io.StringIO("what shape is it?\n\nwhat colour is it?\n"))
     assert main([str(quick_run.run_dir), "--image", str(red_square), "--max-new-tokens", "4"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 2
+
+
+def test_launcher_chat_is_the_same_program(quick_run, red_square, capsys):
+    """`python -m launcher.chat`, the name LLaMA-Factory's users type, answers as launcher.infer does."""
+    args = [str(quick_run.run_dir), "--image", str(red_square), "what shape is it?", "--max-new-tokens", "4"]
+    assert main(args) == 0
+    expected = capsys.readouterr().out
+    chat = subprocess.run([sys.executable, "-m", "launcher.chat", *args], capture_output=True, text=True, cwd=ROOT)
+    assert (chat.returncode, chat.stdout) == (0, expected), chat.stderr[-2000:]
+    usage = subprocess.run([sys.executable, "-m", "launcher.chat", "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert usage.stdout.startswith("usage: python -m launcher.chat "), usage.stdout
 
 
 def test_a_checkpoint_answers_as_the_model_it_holds(quick_run, red_square, capsys):

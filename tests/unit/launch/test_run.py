@@ -958,15 +958,48 @@ def test_bad_records_can_be_skipped_and_counted(tmp_path, train_in_process, capl
     assert f"data: 2 bad record(s) skipped: see {listed}" in caplog.messages
 
 
-def test_adapters_on_a_random_base_are_warned_about_with_the_way_to_a_trained_one(tmp_path):
-    """`python train.py method=lora` trains adapters on the tiny model's random weights: it warns, naming how to
-    give it a trained base; a pretrained base (a run's model/) is not warned about."""
-    warned = run_here(["method=lora", "dry_run=true", "logger=none"], tmp_path / "lora")
-    assert warned.outcome.exit_code == 0, warned.outcome.error
-    (line,) = [line for line in warned.lines if "random" in line]
+def test_adapters_on_the_built_in_data_start_from_a_pretrained_base_and_on_random_weights_are_warned_about(tmp_path):
+    """`python train.py method=lora` trains adapters on a tiny base pretrained on the built-in set's other question
+    (a dry run says which, and trains nothing); with model.tiny_base=random it warns, naming how to give it a
+    trained base; a full fine-tune neither pretrains nor warns."""
+    planned = run_here(["method=lora", "dry_run=true", "logger=none"], tmp_path / "lora")
+    assert planned.outcome.exit_code == 0, planned.outcome.error
+    (line,) = [line for line in planned.lines if line.startswith("base: ")]
+    assert "tiny_llava pretrained on the built-in colour question (400 steps, trained once at the first start" in line
+    assert not any("random" in line and "warning" in line for line in planned.lines)
+
+    warned = run_here(["method=lora", "model.tiny_base=random", "dry_run=true", "logger=none"], tmp_path / "random")
+    (line,) = [line for line in warned.lines if line.startswith("warning: ")]
     assert line.startswith("warning: method=lora on model.source=tiny: the base's weights are random")
     assert "method=lora model.source=pretrained model.path=RUN_DIR/model" in line
-    assert not any("random" in line for line in run_here(["dry_run=true"], tmp_path / "full").lines)
+    full = run_here(["dry_run=true"], tmp_path / "full").lines
+    assert not any(line.startswith(("base: ", "warning: ")) for line in full)
+
+
+@pytest.mark.slow
+def test_the_pretrained_tiny_base_is_trained_once_by_train_py_and_loaded_by_the_lora_job(tmp_path):
+    """`python train.py method=lora`: the launcher trains the tiny base on the built-in colour question once (a
+    child train.py, into the cache), says so and how well it learned it, and the ranks train adapters on it; the
+    next job reuses it as it is. In a cache of its own, so that the first job surely trains it."""
+    job = ["method=lora", *QUICK, f"cache_dir={tmp_path / 'cache'}"]
+    first = run_here(job, tmp_path / "first")
+    assert first.outcome.exit_code == 0, first.outcome.error
+    training, trained = [line for line in first.lines if line.startswith("base: ")]
+    assert training.startswith("base: training tiny_llava pretrained on the built-in colour question, 400 steps")
+    scored = re.fullmatch(r"base: .* held-out exact match ([\d.]+) after 400 steps; this job's question is new to it",
+                          trained)  # fmt: skip
+    assert scored and float(scored[1]) >= 0.95, trained  # the base knows colours (1.0 in bench/lora_second_task.py)
+    (base,) = (tmp_path / "cache" / "models").glob("tiny_llava-*-colour-base-*")
+    assert read_summary(first.run_dir)["base_model"] == str(base)
+    adapter = json.loads((first.run_dir / "model" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(base)
+    assert not list(base.glob("run")) and (base / "model.safetensors").is_file()  # the model only, not its run
+
+    record = (base / "tiny_base.json").read_text()
+    second = run_here(job, tmp_path / "second")
+    assert second.outcome.exit_code == 0, second.outcome.error
+    assert [line for line in second.lines if line.startswith("base: ")] == [trained]  # reused: no training line
+    assert (base / "tiny_base.json").read_text() == record
 
 
 # ---------------------------------------------------------------------------------------------- memory plan

@@ -25,6 +25,7 @@ from launcher.model.method import (
     parameter_counts,
     qlora_problem,
     target_regex,
+    tiny_base_task,
     trainable_components,
 )
 from launcher.model.stats import frozen_meta_model as meta_model
@@ -263,3 +264,26 @@ def test_a_freeze_flag_wins_over_a_target_regex_and_modules_to_save(arch):
     assert modules_to_save(model, default.method, default.model) == [
         "model.multi_modal_projector" if arch == "tiny_llava" else "model.visual.merger"
     ]
+
+
+@pytest.mark.parametrize(
+    "overrides, task",
+    [
+        (["method=lora"], "colour"),  # the built-in data's shape question: the base knows colours
+        (["method=qlora", "data.task=colour"], "shape"),
+        (["method=lora", "loss=dpo", "data.pairs=true"], "colour"),
+        (["method=full"], None),  # a full fine-tune trains the tiny model from its random weights
+        (["method=lora", "model.tiny_base=random"], None),
+        (["method=lora", "model.tiny_base=shape"], "shape"),  # asked for: even the job's own question
+        (["method=full", "model.tiny_base=colour"], "colour"),
+        (["method=lora", "data=llava_json", "data.path=x.json"], None),  # other data: other words
+        (["method=lora", "model=qwen2_vl_2b"], None),  # not a tiny model
+    ],
+)
+def test_a_tiny_base_is_pretrained_for_adapters_on_the_built_in_data_on_its_other_question(overrides, task):
+    assert tiny_base_task(compose_typed(overrides)) == task
+
+
+def test_a_tiny_base_for_a_model_that_is_not_tiny_is_refused_naming_the_key():
+    with pytest.raises(LauncherError, match=r"model.tiny_base=shape sets a tiny model's starting weights"):
+        check_config(compose_typed(["model=qwen2_vl_2b", "model.tiny_base=shape"]))

@@ -156,6 +156,12 @@ def test_the_sequence_planned_per_sample():
     assert sequence(with_plan(capped, text_tokens=20), stats) == (36, 1)
     pretrained = dataclasses.replace(shapes, model=compose_typed(["model=llava_1_5_7b"]).model)
     assert sequence(with_plan(pretrained, images_per_sample=2), stats) == (512 + 2 * 16, 2)
+    # A packed row: its length, and the images of the records it holds (rows of 4,096 tokens hold 7 records of
+    # 512 text tokens and an image of 16 each, whatever data.max_length says of one record).
+    packed = dataclasses.replace(pretrained, data=dataclasses.replace(user.data, packing=True, pack_length=4096))
+    assert sequence(packed, stats) == (4096, 4096 // (512 + 16))
+    assert sequence(with_plan(packed, images_per_sample=2, text_tokens=100), stats) == (4096, 2 * (4096 // 132))
+    assert sequence(with_plan(packed, text_tokens=8000), stats) == (4096, 1)  # one record fills the row
 
 
 def test_the_fewest_tokens_an_image_takes():

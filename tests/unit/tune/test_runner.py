@@ -65,13 +65,6 @@ def test_the_ranks_are_told_from_their_launchers_and_their_dataloader_workers():
     assert not runner._runs_module(["python", "train.py", "-m"], "launcher.launch.worker")
 
 
-def test_a_jobs_error_line_is_its_error_else_its_last_line():
-    assert runner.error_line("starting\nerror: first\nmore\nerror: the last one\ntail\n") == "the last one"
-    assert runner.error_line("one\n  two  \n\n") == "two"
-    assert runner.error_line("") == "no output"
-    assert len(runner.error_line("error: " + "x" * 900)) == 500
-
-
 def test_the_test_hook_sets_variables_of_one_candidate_only(monkeypatch):
     monkeypatch.setenv(runner.CANDIDATE_ENV, "z2-fp32-mb8:LAUNCHER_TEST_FAULT=0:1:alloc=3000;z2-fp32-mb4:A=1;;")
     assert runner._candidate_env("z2-fp32-mb8") == {"LAUNCHER_TEST_FAULT": "0:1:alloc=3000"}

@@ -1,0 +1,9 @@
+import sys
+
+from launcher.core.logs import route_library_logs
+
+route_library_logs()  # before deepspeed is imported: its "Setting accelerator to CPU" is noise here
+
+from launcher.infer.infer import main  # noqa: E402
+
+sys.exit(main(prog="python -m launcher.chat"))
