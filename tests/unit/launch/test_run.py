@@ -273,6 +273,11 @@ CASES = [
         ("model.path={models}/good",),
         "model.path={models}/good is given, but model=tiny_llava builds a tiny model from code and would ignore it",
     ),
+    Case(
+        "tiny-base-for-a-real-model",
+        ("model=qwen2_vl_2b", "model.tiny_base=shape"),
+        "model.tiny_base=shape sets a tiny model's starting weights, and model=qwen2_vl_2b is model.source=pretrained",
+    ),
     Case("tiny-hidden-size-zero", ("model.hidden_size=0",), "model.hidden_size=0 must be a positive multiple of 32"),
     Case("tiny-hidden-size-odd", ("model.hidden_size=3",), "model.hidden_size=3 must be a positive multiple of 32"),
     Case("tiny-no-layers", ("model.num_layers=0",), "model.num_layers=0 must be positive"),
@@ -1000,6 +1005,17 @@ def test_the_pretrained_tiny_base_is_trained_once_by_train_py_and_loaded_by_the_
     assert second.outcome.exit_code == 0, second.outcome.error
     assert [line for line in second.lines if line.startswith("base: ")] == [trained]  # reused: no training line
     assert (base / "tiny_base.json").read_text() == record
+
+
+def test_a_stop_while_the_tiny_base_trains_stops_its_train_py_and_leaves_no_base(tmp_path, monkeypatch):
+    """A stop the launcher hears while its child train.py trains the tiny base reaches the child, the job ends
+    "interrupted" in one line (exit 143), and the cache holds no base, whole or half-written."""
+    monkeypatch.setattr("launcher.launch.base.received", lambda: "SIGTERM")  # as if it came once the child started
+    ran = run_here(["method=lora", *QUICK, f"cache_dir={tmp_path / 'cache'}"], tmp_path / "run")
+    assert ran.outcome.exit_code == 143, ran.outcome.error
+    assert ran.outcome.error == "stopped by SIGTERM while training the tiny base; start again"
+    assert read_summary(ran.run_dir)["status"] == "interrupted"
+    assert not [path.name for path in (tmp_path / "cache" / "models").iterdir() if "-base-" in path.name]
 
 
 # ---------------------------------------------------------------------------------------------- memory plan
