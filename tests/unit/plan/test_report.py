@@ -376,3 +376,30 @@ def test_the_launcher_warns_or_refuses_with_the_preflight_line(tmp_path):
     assert refused.error.endswith("(preflight=error; preflight=warn only warns)")
     quiet = run_here([*tight, "preflight=off"], tmp_path / "off")
     assert quiet.outcome.status == "planned" and not any("memory plan" in line for line in quiet.lines)
+
+
+def test_the_real_model_table_of_docs_planning_md_is_what_its_command_prints(monkeypatch, capsys):
+    """docs/planning.md's table of the real presets is the output of the command under it, column by column
+    (issue 44: it had drifted from it by up to 5.6 GiB a cell)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the shipped configs; nothing is fetched
+    page = (ROOT / "docs" / "planning.md").read_text()
+    _, _, *body = page.split("| preset | LLaVA-1.5-7B ×1", 1)[1].split("\n\n", 1)[0].splitlines()
+    columns = [("llava_1_5_7b", 1), ("llava_1_5_7b", 8), ("qwen2_vl_2b", 1), ("qwen2_vl_2b", 8)]
+    documented = {row.split("|")[1].strip(): [cell.strip() for cell in row.split("|")[2:-1]] for row in body}
+    for index, (model, ranks) in enumerate(columns):
+        overrides = [f"model={model}", f"dist.nproc_per_node={ranks}", "plan.gpu_memory_gb=80",
+                     "train.micro_batch_size=1", "plan.precisions=[bf16]", "plan.markdown=true"]  # fmt: skip
+        assert plan.main(overrides) == 0
+        printed, compared = capsys.readouterr().out, 0
+        for line in printed.splitlines():
+            cells = [cell.strip() for cell in line.split("|")[1:-1]]
+            if len(cells) != 9 or cells[0] not in documented:
+                continue
+            device, cpu, fits = cells[5], cells[6], "✓" if cells[7] == "yes" else "✗"
+            offloads = "offload" in cells[0] or "nvme" in cells[0]
+            expected = f"{device} {fits}" + (f" ({cpu.replace('(+', '+ ').replace(')', '')})" if offloads else "")
+            assert documented[cells[0]][index] == expected, f"{cells[0]}, {model} x{ranks}: printed {expected}"
+            compared += 1
+        assert compared == 7, printed  # every preset's row
+        recommended = printed.split("recommendation: deepspeed=", 1)[1].split()[0]
+        assert documented["**recommended**"][index] == recommended, f"{model} x{ranks}"
