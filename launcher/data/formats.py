@@ -47,7 +47,6 @@ from PIL import Image
 from launcher.core.errors import LauncherError
 
 IMAGE_PLACEHOLDER = "<image>"
-FORMATS = ("llava", "sharegpt", "messages")
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 # Files the `datasets` library reads (anything else that is a file is JSON or JSON lines).
 DATASET_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow"}
@@ -361,17 +360,19 @@ def refuse_pair(raw: dict, where: str) -> None:
 
 
 def detect_format(raw: Any, where: str) -> str:
-    """The format of a file, from its first record."""
+    """The format of a file, from its first record: the one format (FORMATS) that recognises it."""
     if isinstance(raw, dict):
         refuse_pair(raw, where)
-        if "conversations" in raw:
-            return "llava"
-        if isinstance(raw.get("messages"), list):
-            return "messages" if _has_typed_content(raw) else "sharegpt"
+        for fmt in FORMATS.values():
+            if fmt.recognises(raw):
+                return fmt.name
     keys = ", ".join(repr(k) for k in list(raw)[:6]) if isinstance(raw, dict) else type(raw).__name__
+    by_key: dict[str, list[str]] = {}
+    for fmt in FORMATS.values():
+        by_key.setdefault(fmt.key, []).append(fmt.name)
+    needs = " or ".join(f"'{key}' ({', '.join(names)})" for key, names in by_key.items())
     raise BadRecordError(
-        f"{where}: not a record of a known format (found {keys}): a record needs 'conversations' (llava) or "
-        "'messages' (sharegpt, messages); set data.format to say which"
+        f"{where}: not a record of a known format (found {keys}): a record needs {needs}; set data.format to say which"
     )
 
 
@@ -381,12 +382,7 @@ def normalize(raw: Any, fmt: str, where: str, image_root: Path, options: ReadOpt
         raise BadRecordError(f"{where}: a record must be a JSON object, not {type(raw).__name__}")
     if not options.pairs:
         refuse_pair(raw, where)
-    if fmt == "llava":
-        messages, sources = _llava(raw, where)
-    elif not _has_typed_content(raw):  # string contents, "<image>" markers: sharegpt's way, in either format
-        messages, sources = _sharegpt(raw, where)
-    else:  # typed parts (a string content among them is one text part): one file may mix both kinds
-        messages, sources = _typed_messages(raw, where)
+    messages, sources = FORMATS[fmt].read(raw, where)
     _check_conversation(messages, where, fmt)
     images = [check_image(source, where, image_root, options) for source in sources]
     record_id = raw.get("id")
@@ -486,6 +482,39 @@ def _typed_messages(raw: dict, where: str) -> tuple[list[dict], list[Any]]:
     if next(listed, None) is not None:
         raise BadRecordError(f"{where}: 'images' lists more images than the messages have image parts")
     return messages, images
+
+
+def _chat(raw: dict, where: str) -> tuple[list[dict], list[Any]]:
+    """sharegpt and messages records alike: string contents with "<image>" markers are sharegpt's way, typed
+    parts (a string content among them is one text part) the messages format's; one file may mix both."""
+    return _typed_messages(raw, where) if _has_typed_content(raw) else _sharegpt(raw, where)
+
+
+@dataclass(frozen=True)
+class Format:
+    """One record format: the key its records hold, how its first record is recognised (no two formats
+    recognise one record), and how a record becomes chat messages and image sources."""
+
+    name: str
+    key: str
+    recognises: Callable[[dict], bool]
+    read: Callable[[dict, str], tuple[list[dict], list[Any]]]
+
+
+# Every format the launcher reads, by the name data.format gives it (config.schema.DataFormat lists the same
+# names; a test keeps them equal): a new format is one entry here.
+FORMATS: dict[str, Format] = {
+    fmt.name: fmt
+    for fmt in (
+        Format("llava", "conversations", lambda raw: "conversations" in raw, _llava),
+        Format("sharegpt", "messages", lambda raw: _has_messages(raw) and not _has_typed_content(raw), _chat),
+        Format("messages", "messages", lambda raw: _has_messages(raw) and _has_typed_content(raw), _chat),
+    )
+}
+
+
+def _has_messages(raw: dict) -> bool:
+    return isinstance(raw.get("messages"), list)
 
 
 def _part_text(part: dict) -> str | None:

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from launcher.config.schema import DataFormat
 from launcher.core.errors import LauncherError
-from launcher.data.formats import ReadOptions, looks_like_hub_id, read_records, record_texts
+from launcher.data.formats import FORMATS, ReadOptions, looks_like_hub_id, read_records, record_texts
 from launcher.data.records import ConversationDataset, load_records
 from tests.unit.data.samples import MULTI_TURN, write_image
 
@@ -558,3 +559,16 @@ def test_a_preference_record_under_a_supervised_loss_names_the_loss_to_use(tmp_p
     path = write_json(tmp_path / "prefs.json", [{"prompt": "q?", "chosen": "a", "rejected": "b"}])
     with pytest.raises(LauncherError, match=r"record 0: a preference record .* \(loss=dpo or loss=ipo\)"):
         read(path)
+
+
+def test_the_formats_data_format_names_are_the_ones_the_reader_has():
+    """One registry of formats (launcher.data.formats.FORMATS): the config's closed choice names exactly them,
+    and no two formats recognise one record."""
+    assert [choice.value for choice in DataFormat] == ["auto", *FORMATS]
+    records = [
+        {"conversations": []},
+        {"messages": [{"role": "user", "content": "hi"}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+    ]
+    for record, name in zip(records, FORMATS, strict=True):
+        assert [fmt.name for fmt in FORMATS.values() if fmt.recognises(record)] == [name]
