@@ -226,13 +226,15 @@ class _Attempt:
         check_inputs(config, job, launching=not config.dry_run)
         if (warning := adapters_on_random_base(config)) is not None:
             self.say(f"warning: {warning}")
-        # A tiny model is built here, once, for every rank (and its base trained, model.tiny_base).
-        job = job.replace(model_path=pretrained_base(config, model_dir(config), self.say))
+        job = job.replace(model_path=model_dir(config))  # a tiny model is built here, once, for every rank
         pause_for_test("plan")  # the tests' stop signals land here (a no-op otherwise)
         job = job.replace(planned_memory_bytes=_check_memory(config, job, self.say))
         job = self._resume(config, job, cfg, hydra)
         if self.done is not None:  # a finished run: nothing to plan, and its files stay as they are
             return job, {}
+        # A tiny model's pretrained base (model.tiny_base; its architecture is the tiny build's, which the memory
+        # check read) is trained once the job is accepted: a refused resume spends nothing on it.
+        job = job.replace(model_path=pretrained_base(config, job.model_path, self.say))
         replayed = dict(self.continued.environment) if self.continued is not None else {}
         return job, {**replayed, **self._write_plan(job)}
 
