@@ -340,7 +340,9 @@ def test_resume_from_every_save_point_is_bitwise_identical(train_in_process, tmp
 
 
 # ----------------------------------------------------------------------------- LoRA
-LORA = ("method=lora", *SHORT, "train.max_steps=8")
+# On the tiny model's random weights (model.tiny_base=random): these tests are about the adapters at each stage,
+# not the pretrained base `method=lora` starts from by default (tests/unit/launch/test_run.py tests that).
+LORA = ("method=lora", "model.tiny_base=random", *SHORT, "train.max_steps=8")
 
 
 @pytest.fixture(scope="module")
@@ -406,7 +408,9 @@ def test_qlora_trains_its_projector_at_zero_2_and_3_and_exports_merged(train_in_
     pytest.importorskip("bitsandbytes")
     from launcher.export.export import export
 
-    ran = train_in_process("method=qlora", "precision=bf16", f"deepspeed={preset}", *SHORT, "train.max_steps=6")
+    ran = train_in_process(
+        "method=qlora", "model.tiny_base=random", "precision=bf16", f"deepspeed={preset}", *SHORT, "train.max_steps=6"
+    )
     assert ran.outcome.status == "completed", ran.outcome.error
     summary = read_summary(ran.run_dir)
     assert summary["method"] == "qlora" and summary["zero_stage"] == int(preset[1])
