@@ -23,6 +23,7 @@ from pathlib import Path
 from launcher.config.schema import Config
 from launcher.core.builds import build_once, reusable
 from launcher.core.errors import Interrupted, LauncherError, error_line
+from launcher.core.rundir import RunDir
 from launcher.core.signals import name, received
 from launcher.job.planning import cache_dir
 from launcher.model.method import tiny_base_task
@@ -117,16 +118,16 @@ def _train(cfg: Config, tiny_dir: Path, task: str, arguments: dict[str, object],
             time.sleep(0.1)
     if stopped is not None or child.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM):
         raise Interrupted(f"stopped by {stopped or name(signal.SIGTERM)} while training the tiny base; start again")
-    summary_file = run / "summary.json"
-    if child.returncode != 0 or not (run / "model").is_dir():
+    trained = RunDir(run)
+    summary = trained.read_summary()
+    if child.returncode != 0 or summary is None or not trained.model.is_dir():
         raise LauncherError(
             f"training the tiny base (model.tiny_base) failed: {error_line((where / 'pretraining.log').read_text())}; "
             "model.tiny_base=random starts from random weights instead"
         )
-    summary = json.loads(summary_file.read_text())
-    for item in (run / "model").iterdir():
+    for item in trained.model.iterdir():
         shutil.move(str(item), where / item.name)
     shutil.rmtree(run)
     (where / "pretraining.log").unlink()
-    scored = {key: summary.get(key) for key in ("eval_accuracy", "eval_loss", "final_loss", "steps")}
+    scored = {key: getattr(summary, key) for key in ("eval_accuracy", "eval_loss", "final_loss", "steps")}
     (where / "pretraining.json").write_text(json.dumps({"task": task, **scored}, indent=2) + "\n")

@@ -54,6 +54,7 @@ from launcher.core.signals import STOP_SIGNALS, handling, name
 from launcher.job.checks import check_data
 from launcher.job.planning import plan_job
 from launcher.job.spec import HydraJob, Job
+from launcher.launch.base import TRAIN_SCRIPT
 from launcher.model.stats import heaviest_stage, model_stats, pack_length, sequence
 from launcher.plan.memory import PRESETS, Target, estimate, layout_from_ds_config, planned_bytes, preference_terms
 from launcher.plan.report import target_device
@@ -75,8 +76,6 @@ from launcher.tune.decide import (
 from launcher.tune.report import CSV_COLUMNS, Tuning, describe, table_rows, write_outputs, write_plot
 from launcher.tune.runner import own_cpu_s, run_candidate
 from launcher.tune.space import base_overrides, default_micro_batch_sizes, search_space
-
-ROOT = Path(__file__).resolve().parents[2]  # where train.py is
 
 # ================================================================================ the whole tuning
 _STATS: dict[str, Any] = {}
@@ -279,7 +278,7 @@ def check_best(t: Tuning, best: Result) -> str:
     check_dir = t.directory / "best_check"
     command = [
         sys.executable,
-        str(ROOT / "train.py"),
+        str(TRAIN_SCRIPT),
         f"hydra.searchpath=[file://{t.directory.resolve()}]",
         "experiment=best",
         "dry_run=true",
