@@ -252,10 +252,12 @@ def test_export_from_a_mid_run_checkpoint(zero3_lora_run, tmp_path):
 )
 def test_lora_trains_on_two_ranks_at_every_zero_stage(run_train, tmp_path, label, overrides, jobs):
     """ZeRO-3 without offload: `zero3_lora_run` above; at one rank: tests/unit/train/test_trainer.py. Each
-    job ends generating the held-out answers on both ranks (at ZeRO-3 in bf16, in lock-step)."""
+    job ends generating the held-out answers on both ranks (at ZeRO-3 in bf16, in lock-step). The adapters train
+    on the tiny model's random weights: the pretrained base is tests/unit/launch/test_run.py's."""
     out = tmp_path / label
     where = f"hydra.sweep.dir={out}" if jobs > 1 else f"hydra.run.dir={out}"
-    lora = ("method=lora", *SHORT, "data.eval_samples=16", "train.max_steps=8", "dist.nproc_per_node=2")
+    lora = ("method=lora", "model.tiny_base=random", *SHORT, "data.eval_samples=16", "train.max_steps=8")
+    lora = (*lora, "dist.nproc_per_node=2")
     succeeded(run_train(*overrides, *lora, where, timeout=1200))
     for run_dir in [out / str(job) for job in range(jobs)] if jobs > 1 else [out]:
         curve = losses(run_dir)

@@ -92,8 +92,8 @@ def test_a_batch_file_is_answered_beside_it_and_sampling_follows_its_seed(quick_
 
 
 def test_a_lora_runs_adapters_answer_on_their_base(train_in_process, tmp_path, red_square, capsys):
-    ran = train_in_process("method=lora", "train.max_steps=2", "train.eval_every=0", "data.eval_accuracy=false",
-                           "train.micro_batch_size=4", "logger=none")  # fmt: skip
+    ran = train_in_process("method=lora", "model.tiny_base=random", "train.max_steps=2", "train.eval_every=0",
+                           "data.eval_accuracy=false", "train.micro_batch_size=4", "logger=none")  # fmt: skip
     assert ran.summary()["status"] == "completed", ran.error
     assert (ran.run_dir / "model" / "adapter_config.json").is_file()
     capsys.readouterr()  # the run's own lines

@@ -81,7 +81,7 @@ def test_dpo_starts_at_log_2_and_its_references_agree_and_a_stopped_run_resumes_
     [
         # LoRA: the base under the disabled adapter (and data other than the test above's, whose reference
         # it moves away for a while).
-        (("data.n_train=56", "method=lora"), "adapter"),
+        (("data.n_train=56", "method=lora", "model.tiny_base=random"), "adapter"),
         # Qwen2-VL: its rows carry image grids and token types beside the pixels, which the pairs' batches keep.
         (("model=tiny_qwen2_vl", "train.max_steps=2"), "live"),
     ],
