@@ -76,6 +76,15 @@ RANGES: tuple[Range, ...] = (
         optional=True,
     ),
     at_least("data.max_image_pixels", 1),
+    Range("data.video.fps", lambda v: 0 < float(v) < math.inf, "must be a positive number of frames per second"),
+    at_least("data.video.min_frames", 1),
+    Range(
+        "data.video.max_frames",
+        lambda v: int(v) >= 1,
+        "must be a positive number of frames per video, at least data.video.min_frames",
+    ),
+    at_least("data.video.max_pixels", 64, optional=True),
+    Range("data.video.max_seconds", lambda v: float(v) > 0, "must be a positive length, or null", optional=True),
     at_least("data.shuffle_block", 1),
     at_least("data.pack_length", 16, when=lambda cfg: cfg.data.pack_length is not None),
     Range(
@@ -308,6 +317,15 @@ def _pixels(cfg: Any) -> None:
         )
 
 
+def _frames(cfg: Any) -> None:
+    video = cfg.data.video
+    if int(video.min_frames) > int(video.max_frames):
+        raise LauncherError(
+            f"data.video.min_frames={video.min_frames} is over data.video.max_frames={video.max_frames}: "
+            "raise max_frames or lower min_frames"
+        )
+
+
 def _length(cfg: Any) -> None:
     if cfg.train.max_steps is None and cfg.train.epochs is None:
         raise LauncherError(
@@ -358,6 +376,7 @@ CHECKS: tuple[_Rule, ...] = (
     _Rule("model", _pixels),
     _Rule("data", _num_workers),
     *(_range_rule(row) for row in RANGES),
+    _Rule("data", _frames),
     *(_range_rule(row) for row in TRAIN_RANGES[:2]),  # epochs, warm-up ratio
     _Rule("train", _length),
     *(_range_rule(row) for row in TRAIN_RANGES[2:-1]),

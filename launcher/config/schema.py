@@ -285,6 +285,19 @@ class SourceConfig:
 
 
 @dataclass
+class VideoConfig:
+    """Which frames of a record's video train (launcher/data/video.py): `fps` frames per second of video,
+    spread evenly over all of it, at least `min_frames` and at most `max_frames`; each frame scaled down to
+    at most `max_pixels` pixels (null: as the video has them). A video over `max_seconds` is a bad record."""
+
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 32
+    max_pixels: int | None = 200_704  # 448 x 448
+    max_seconds: float | None = 3600.0
+
+
+@dataclass
 class DataConfig:
     """A data set (JSON/JSON lines in llava, sharegpt or messages format, or `datasets` files), or a
     mixture of several (data.sources); `synthetic: true` generates the built-in one first."""
@@ -302,6 +315,7 @@ class DataConfig:
     # error: stop at the first bad record; skip: skip bad records and count them.
     on_bad_record: OnBadRecord = OnBadRecord.error
     max_image_pixels: int = 64_000_000  # a larger image is a bad record (a decompression bomb)
+    video: VideoConfig = field(default_factory=VideoConfig)  # how records' videos are sampled
     # Tokens per sample as the model sees them (text + image tokens); null: no limit. A longer record is
     # cut (truncate: the answer side from the end, images kept whole, the prompt kept, at least 16 answer
     # tokens kept, else skipped) or skipped (skip); skipped records are listed in RUN/skipped_records.jsonl.

@@ -56,7 +56,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,14 +76,16 @@ from launcher.data.formats import BadRecordError, open_image, skipped_entry
 from launcher.data.index import Records
 from launcher.data.length import LengthLimit, RecordTooLong, fit_to_length, one_row, pad_rows, unchanged
 from launcher.data.records import ConversationDataset
+from launcher.data.video import VideoSampling, decode_frames
 
 log = logging.getLogger("launcher")
 
-# 7: answers kept as written (no longer stripped: code keeps its indentation); 6: 64-bit integer tensors
+# 8: videos (their files' bytes, the frames kept of each) and data.video in the key; 7: answers kept as
+# written (no longer stripped: code keeps its indentation); 6: 64-bit integer tensors
 # stored in 32 bits (NARROWED); 5: which records it holds in arrays (records.npz, ids.arrow), not in
 # meta.json; 4: images kept encoded (data.cache_images), shards built by every rank; 3: data.max_length
 # in the key
-CACHE_VERSION = 7
+CACHE_VERSION = 8
 META_FILE = "meta.json"
 RECORDS_FILE = "records.npz"
 IDS_FILE = "ids.arrow"
@@ -98,8 +100,10 @@ IMAGE_STORAGE = tuple(choice.value for choice in CacheImages if choice.value != 
 # images (the built-in one: 4,200 of 32 x 32, 50 MB) the workers' decoding cost the default job 1.36x the CPU
 # of keeping pixels (bench/default_job.py, issue 44); on LLaVA-665K they would take ~900 GB.
 PIXELS_BUDGET_BYTES = 2 << 30
-# The tensors an encoded record holds in place of pixel_values: its images' bytes, and each one's length.
-IMAGE_BYTES, IMAGE_LENGTHS = "image_bytes", "image_lengths"
+# The tensors an encoded record holds in place of pixel_values: its images' bytes, and each one's length; a
+# record with videos also holds, per stored file in the order of its parts, 0 for an image or the number of
+# the video's sampled frames it keeps (its frames decoded again in the worker, as sampled when it was built).
+IMAGE_BYTES, IMAGE_LENGTHS, VIDEO_FRAMES = "image_bytes", "image_lengths", "video_frames"
 PROGRESS_EVERY_S = 30.0
 FINISH_WAIT_S = 60.0  # how long a build whose shard vanished waits for the job that is finishing the cache
 # 64-bit integer tensors (token ids, labels, masks, image grids, image byte lengths) are stored in 32 bits,
@@ -107,19 +111,28 @@ FINISH_WAIT_S = 60.0  # how long a build whose shard vanished waits for the job 
 NARROWED = {np.dtype(np.int64).str: np.dtype(np.int32)}
 
 
-def cache_key(records: Sequence[dict], processor: Any, model: str, limit: Any = None, images: str = "encoded") -> str:
+def cache_key(
+    records: Sequence[dict],
+    processor: Any,
+    model: str,
+    limit: Any = None,
+    images: str = "encoded",
+    video: VideoSampling | None = None,
+) -> str:
     """A digest of everything a cached tensor depends on (`limit`: a data.LengthLimit, or None; `images`:
-    data.cache_images)."""
+    data.cache_images; `video`: data.video, which frames of a video train)."""
     digest = hashlib.sha256()
     length = {"max_length": limit.max_length, "truncation": limit.truncation} if limit is not None else None
-    digest.update(json.dumps({"version": CACHE_VERSION, "model": model, "length": length, "images": images}).encode())
+    sampling = asdict(video or VideoSampling())
+    settings = {"version": CACHE_VERSION, "model": model, "length": length, "images": images, "video": sampling}
+    digest.update(json.dumps(settings).encode())
     digest.update(processor_fingerprint(processor).encode())
     indexed = records.fingerprint() if isinstance(records, Records) else None
     if indexed is not None:  # the record index's key covers each data file and how it was read
         digest.update(indexed.encode())
         return digest.hexdigest()[:20]
     for record in records:
-        identities = [_image_identity(image) for image in record["images"]]
+        identities = [_image_identity(image) for image in [*record["images"], *record.get("videos", ())]]
         digest.update(json.dumps([record["id"], record.get("source", 0), record["messages"], identities]).encode())
     return digest.hexdigest()[:20]
 
@@ -157,6 +170,8 @@ def image_storage(setting: str, processor: Any, sample: Sequence[dict], records:
     whose total over the split's images stays within PIXELS_BUDGET_BYTES, encoded otherwise."""
     if setting != "auto":
         return setting
+    if any(record.get("videos") for record in sample):  # a video's frames stay in its file, never decoded on disk
+        return "encoded"
     per_image = pixel_bytes_bound(processor.image_processor)
     images_per_record = sum(len(record.get("images") or ()) for record in sample) / max(1, len(sample))
     if per_image is None or images_per_record * records * per_image > PIXELS_BUDGET_BYTES:
@@ -184,20 +199,25 @@ class RecordEncoder:
     """A decoded sample -> (its tensors, whether they were cut): `Collator`'s batch of that one sample,
     without the batch axis, cut to `limit` (data.max_length) as `Collator` cuts it; RecordTooLong when
     the sample is skipped instead. With `images="encoded"` the pixel values give way to the bytes of the
-    images the cut kept (`encoded_images`), which `CachedDataset` turns back into the same pixel values."""
+    images the cut kept (`encoded_images`), which `CachedDataset` turns back into the same pixel values. A
+    sample with videos (its "media") keeps each video's file, sampled again as `video` says when read."""
 
-    def __init__(self, processor: Any, limit: Any = None, images: str = "encoded"):
+    def __init__(self, processor: Any, limit: Any = None, images: str = "encoded", video: VideoSampling | None = None):
         if images not in IMAGE_STORAGE:
             raise LauncherError(f"data.cache_images={images} is not one of {', '.join(IMAGE_STORAGE)}")
         self.processor = processor
         self.collate = Collator(processor)
         self.limit = limit or LengthLimit()
         self.images = images
+        self.video = video or VideoSampling()
 
     def __call__(self, sample: dict, sources: list[str | bytes] | None = None) -> tuple[dict[str, torch.Tensor], bool]:
         tensors, cut = fit_to_length(one_row(self.collate.labelled([sample])), self.limit, self.processor)
         if self.images == "encoded" and "pixel_values" in tensors:
-            tensors = {**tensors, **encoded_images(sources or [], kept=_images_kept(tensors))}
+            kept = _images_kept(tensors)
+            media = sample.get("media")
+            stored = encoded_media(media, kept=kept) if media else encoded_images(sources or [], kept=kept)
+            tensors = {**tensors, **stored}
             del tensors["pixel_values"]
         return tensors, cut
 
@@ -216,6 +236,23 @@ def encoded_images(sources: list[str | bytes], *, kept: int) -> dict[str, torch.
     return {
         IMAGE_BYTES: torch.from_numpy(joined),
         IMAGE_LENGTHS: torch.tensor([len(blob) for blob in blobs], dtype=torch.int64),
+    }
+
+
+def encoded_media(media: list[tuple[str | bytes, int]], *, kept: int) -> dict[str, torch.Tensor]:
+    """The files of a record's images and videos (source, frames; 0 frames: an image) whose pictures are among
+    the first `kept`, back to back, each one's length, and the frames kept of each video (0 for an image)."""
+    files, frames_kept = [], []
+    for source, frames in media:
+        if kept <= 0:
+            break
+        pictures = max(frames, 1)
+        files.append(source)
+        frames_kept.append(min(frames, kept) if frames else 0)
+        kept -= pictures
+    return {
+        **encoded_images(files, kept=len(files)),
+        VIDEO_FRAMES: torch.tensor(frames_kept, dtype=torch.int64),
     }
 
 
@@ -274,7 +311,7 @@ def ensure_cache(
     turns it into the record's tensors, cut to its limit (part of the key). A record over the limit that
     cannot be cut is skipped whatever `on_bad_record` says. `check` (data.cache_check): what rank 0 checks of
     a complete cache first, every file's checksum or its size."""
-    key = cache_key(records, processor, model, encode.limit, encode.images)
+    key = cache_key(records, processor, model, encode.limit, encode.images, encode.video)
     path = root / key
     started = time.perf_counter()
     building = root / f".{key}.building"  # shared by every rank, and by the next attempt of a killed build
@@ -394,13 +431,14 @@ def ensure_job_cache(
     resolved path) keys and builds it: the job itself, and `python -m launcher.prepare` before it."""
     sample = [records[index] for index in range(min(len(records), 1000))]
     images = image_storage(str(data.cache_images), processor, sample, len(records))
+    video = VideoSampling.of(data.video)
     return ensure_cache(
         cache / "data_cache",
         records,
         processor,
         model,
-        RecordEncoder(processor, LengthLimit.of(data), images),
-        ConversationDataset(records).__getitem__,
+        RecordEncoder(processor, LengthLimit.of(data), images, video),
+        ConversationDataset(records, video).__getitem__,
         on_bad_record=str(data.on_bad_record),
         num_workers=int(data.num_workers),
         part=part,
@@ -550,6 +588,7 @@ def _meta(
         "key": key,
         "model": model,
         "images": encode.images,
+        "video": asdict(encode.video),
         "records": len(kept),
         "skipped": skipped,
         "truncated": sum(s.cut for s in shards),
@@ -750,6 +789,7 @@ class CachedDataset(Dataset):
         if self.encoded and processor is None:
             raise LauncherError(f"{self.path}: its images are encoded; reading it needs the processor")
         self.image_processor = processor.image_processor if self.encoded else None
+        self.video = VideoSampling(**meta.get("video", {}))  # how the build sampled its videos' frames
         self._layout = {name: (dtype, tuple(shape)) for name, (dtype, shape) in meta["layout"].items()}
         self.names = sorted(self._layout)
         # Record i is in shard k when starts[k] <= i < starts[k + 1].
@@ -817,10 +857,18 @@ class CachedDataset(Dataset):
     def _decoded(self, tensors: dict[str, torch.Tensor], record_id: str) -> dict[str, torch.Tensor]:
         """The record's tensors with its stored image bytes made into the processor's pixel values."""
         blob, lengths = tensors.pop(IMAGE_BYTES).numpy().tobytes(), tensors.pop(IMAGE_LENGTHS).tolist()
+        frames = tensors.pop(VIDEO_FRAMES).tolist() if VIDEO_FRAMES in tensors else []
         if not lengths:
             return tensors
+        frames = frames or [0] * len(lengths)  # a record of images alone stores no frame counts
         ends = np.cumsum(lengths).tolist()
-        images = [open_image(blob[end - length : end], record_id) for end, length in zip(ends, lengths, strict=True)]
+        images = []
+        for end, length, kept in zip(ends, lengths, frames, strict=True):
+            stored = blob[end - length : end]
+            if kept:
+                images += decode_frames(stored, self.video)[:kept]
+            else:
+                images.append(open_image(stored, record_id))
         tensors["pixel_values"] = self.image_processor(images, return_tensors="pt")["pixel_values"]
         return tensors
 

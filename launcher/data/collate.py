@@ -21,6 +21,7 @@ from launcher.core.errors import LauncherError
 from launcher.data.formats import BadRecordError
 from launcher.data.length import IGNORE_INDEX, LengthLimit, RecordTooLong, fit_to_length, one_row, pad_rows, unchanged
 from launcher.data.records import ConversationDataset
+from launcher.data.video import VideoSampling
 
 
 def _render(processor, messages: list[dict], *, add_generation_prompt: bool) -> str:
@@ -210,17 +211,20 @@ class FitReport:
     skipped: list[tuple[int, str]]  # (position, reason with the record's place) of those that do not
 
 
-def fit_records(records: list[dict], processor, limit: LengthLimit, *, num_workers: int) -> FitReport:
+def fit_records(
+    records: list[dict], processor, limit: LengthLimit, *, num_workers: int, video: VideoSampling | None = None
+) -> FitReport:
     """Which records train as they are, cut, or not at all under `limit`: found before training when there
     is no data cache (building the cache finds them itself), so every rank drops the same records.
 
     Each record's length is estimated from its rendered text and its images' sizes (read from their
     headers, no pixels); only records estimated within ESTIMATE_MARGIN of the limit or over it are
-    encoded (images decoded) and cut as `Collator` cuts them. In `num_workers` processes."""
+    encoded (images decoded; videos' frames sampled as `video` says) and cut as `Collator` cuts them. In
+    `num_workers` processes."""
     if limit.max_length is None:
         return FitReport(list(range(len(records))), 0, [])
     loader = DataLoader(
-        _Fitted(records, processor, limit),
+        _Fitted(records, processor, limit, video or VideoSampling()),
         batch_size=None,
         num_workers=num_workers,
         prefetch_factor=8 if num_workers else None,
@@ -253,8 +257,8 @@ def nothing_fits(count: int, limit: LengthLimit, too_long: int, bad: int, exampl
 class _Fitted(Dataset):
     """Record i -> (i, whether it is cut), or (i, the RecordTooLong or BadRecordError that stops it)."""
 
-    def __init__(self, records: list[dict], processor, limit: LengthLimit):
-        self.records, self.processor, self.limit = records, processor, limit
+    def __init__(self, records: list[dict], processor, limit: LengthLimit, video: VideoSampling):
+        self.records, self.processor, self.limit, self.video = records, processor, limit, video
 
     def __len__(self) -> int:
         return len(self.records)
@@ -268,7 +272,7 @@ class _Fitted(Dataset):
         if estimate is not None and estimate <= self.limit.max_length - ESTIMATE_MARGIN:
             return index, False
         try:
-            sample = ConversationDataset(self.records)[index]
+            sample = ConversationDataset(self.records, self.video)[index]
             row = one_row(Collator(self.processor).labelled([sample]))
             return index, fit_to_length(row, self.limit, self.processor)[1]
         except RecordTooLong as error:
@@ -280,7 +284,10 @@ class _Fitted(Dataset):
 def estimated_length(processor, record: dict) -> int | None:
     """A record's tokens as the processor makes them, from its rendered text and its images' sizes (their
     headers): the text's tokens, each image placeholder counted as the tokens its image takes. None when
-    the processor cannot say how many tokens an image of a given size takes."""
+    the processor cannot say how many tokens an image of a given size takes, or the record has videos (their
+    frames' sizes are known once decoded)."""
+    if record.get("videos"):
+        return None
     text, _ = render_with_assistant_spans(processor, record["messages"])
     tokens = len(processor.tokenizer(text)["input_ids"])
     if not record["images"]:

@@ -122,11 +122,12 @@ def cache_cost(
     the records, over the ranks). Without: at most its size with encoded images (their files' bytes) and
     every record at data.max_length tokens; no time."""
     if encode is None or not sample:
-        mean_image = sum(_image_bytes(image) for record in sample for image in record["images"]) / max(1, len(sample))
+        files = [media for record in sample for media in [*record["images"], *record.get("videos", ())]]
+        mean_image = sum(_image_bytes(media) for media in files) / max(1, len(sample))
         tokens = TOKEN_TENSORS * 4 * (max_length or 0)
         size = int(records * (mean_image + tokens)) if images == "encoded" and max_length else None
         return DataCost("data cache", False, records, size, None, at_most=True)
-    few = ConversationDataset(sample[:9])
+    few = ConversationDataset(sample[:9], encode.video)
     _encoded_bytes(encode, few, 0)  # the first call compiles the chat template: not what a record costs
     started, stored = time.process_time(), 0
     for index in range(1, len(few)):

@@ -6,25 +6,30 @@ its first record (`data.format=auto`) or named:
 
     llava     {"image": "a.png" | ["a.png", "b.png"], "conversations": [{"from": "human", "value": "<image>\\n..."},
                                                                         {"from": "gpt", "value": "..."}]}
-    sharegpt  {"images": ["a.png"], "system": "...", "messages": [{"role": "user", "content": "<image>..."},
-                                                                  {"role": "assistant", "content": "..."}]}
+              (LLaVA-Video: "video": "a.mp4" | [...], "<video>" markers)
+    sharegpt  {"images": ["a.png"], "videos": ["a.mp4"], "system": "...",
+               "messages": [{"role": "user", "content": "<image><video>..."}, {"role": "assistant", "content": "..."}]}
     messages  {"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"},
+                                                         {"type": "video", "video": "a.mp4"},
                                                          {"type": "text", "text": "..."}]}, ...]}
-              also LLaMA-Factory's v1 files: parts {"type": "image_url" | "text", "value": ...}
+              also LLaMA-Factory's v1 files: parts {"type": "image_url" | "video_url" | "text", "value": ...}
 
 Preference records (a prompt, a "chosen" and a "rejected" answer: LLaMA-Factory's and TRL's layouts, read
 under a preference loss, `ReadOptions.pairs`) become two adjacent records each (`pair_records`).
 
 Every record becomes {"id", "where", "file", "index", "images": [absolute path | bytes], "messages":
-[{"role", "content": [{"type": "image"} | {"type": "text", "text"}]}]}: chat-template messages whose
-image parts take `images` in order ("file" and "index" say where it came from). A record without images
-trains as text. In llava and sharegpt records each "<image>" marks where the next image goes; with no
-marker at all the images go before the first user text (as LLaVA does). Roles human/user, gpt/assistant
-and system map to user, assistant and system.
+[{"role", "content": [{"type": "image"} | {"type": "video"} | {"type": "text", "text"}]}]}: chat-template
+messages whose image parts take `images` in order ("file" and "index" say where it came from); a record
+with videos also holds "videos" (paths or bytes, in the order of its video parts). A record without images
+trains as text. In llava and sharegpt records each "<image>" ("<video>") marks where the next image
+(video) goes; with no marker at all the images, then the videos, go before the first user text (as LLaVA
+does). Roles human/user, gpt/assistant and system map to user, assistant and system.
 
 Images are checked when read (a bad one is a bad record): the path must stay inside the image root,
 name a non-empty file that PIL identifies as an image, of at most `max_image_pixels` pixels; with
-`decode=True` the whole image is decoded too (a truncated file fails only then).
+`decode=True` the whole image is decoded too (a truncated file fails only then). Videos likewise: inside
+the image root, a container PyAV opens with a video stream it can decode, with frames, at most
+data.video.max_seconds long (launcher/data/video.py); with `decode=True` their sampled frames are decoded.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from typing import Any
 from PIL import Image
 
 from launcher.core.errors import LauncherError
+from launcher.data.video import VIDEO_PLACEHOLDER, BadVideoError, VideoSampling, check_video, decode_frames
 
 IMAGE_PLACEHOLDER = "<image>"
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -65,6 +71,8 @@ class ReadOptions:
     image_root: Path | None = None  # relative image paths resolve against it (default: the file's folder)
     on_bad_record: str = "error"
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    # How videos are sampled (data.video): its max_seconds is checked when read; its frames with `decode`.
+    video: VideoSampling = field(default_factory=VideoSampling)
     decode: bool = False  # decode every image fully while reading (finds truncated files)
     # Open each image's header (format, pixel limit). Off for the built-in set, whose images this
     # project wrote itself (atomically): 0.4 s of every read of its 4200 images, for nothing.
@@ -259,11 +267,12 @@ def _dataset_rows(source: str, options: ReadOptions) -> Iterator[tuple[str, Any]
         if options.split not in data:
             raise LauncherError(f"{source}: no split {options.split!r} (data.split); it has {', '.join(data)}")
         data = data[options.split]
-    for name, feature in data.features.items():  # keep images as bytes/paths, decoded where checked
-        if isinstance(feature, datasets.Image):
-            data = data.cast_column(name, datasets.Image(decode=False))
-        elif isinstance(getattr(feature, "feature", None), datasets.Image):
-            data = data.cast_column(name, datasets.List(datasets.Image(decode=False)))
+    for name, feature in data.features.items():  # keep images and videos as bytes/paths, decoded where checked
+        for kind in (datasets.Image, datasets.Video):
+            if isinstance(feature, kind):
+                data = data.cast_column(name, kind(decode=False))
+            elif isinstance(getattr(feature, "feature", None), kind):
+                data = data.cast_column(name, datasets.List(kind(decode=False)))
     return ((f"{source} row {index}", row) for index, row in enumerate(data))
 
 
@@ -382,12 +391,16 @@ def normalize(raw: Any, fmt: str, where: str, image_root: Path, options: ReadOpt
         raise BadRecordError(f"{where}: a record must be a JSON object, not {type(raw).__name__}")
     if not options.pairs:
         refuse_pair(raw, where)
-    messages, sources = FORMATS[fmt].read(raw, where)
+    messages, sources, video_sources = FORMATS[fmt].read(raw, where)
     _check_conversation(messages, where, fmt)
     images = [check_image(source, where, image_root, options) for source in sources]
+    videos = [check_video_source(source, where, image_root, options) for source in video_sources]
     record_id = raw.get("id")
     record_id = where if record_id is None else str(record_id)
-    return {"id": record_id, "where": where, "images": images, "messages": messages}
+    record = {"id": record_id, "where": where, "images": images, "messages": messages}
+    if videos:  # only then: an image-only record is what it was before videos were read
+        record["videos"] = videos
+    return record
 
 
 def _has_typed_content(raw: dict) -> bool:
@@ -397,20 +410,24 @@ def _has_typed_content(raw: dict) -> bool:
     )
 
 
-def _image_list(raw: dict, where: str, *keys: str) -> list[Any]:
-    """The record's images under the first of `keys` present: one source or a list of them."""
+def _image_list(raw: dict, where: str, *keys: str, kind: str = "image") -> list[Any]:
+    """The record's images (or videos) under the first of `keys` present: one source or a list of them."""
     for key in keys:
         value = raw.get(key)
         if value is None:
             continue
         values = value if isinstance(value, list) else [value]
         if not all(isinstance(v, str | dict | bytes) for v in values):
-            raise BadRecordError(f"{where}: '{key}' must be an image path or a list of image paths")
+            raise BadRecordError(f"{where}: '{key}' must be a {kind} path or a list of {kind} paths")
         return values
     return []
 
 
-def _llava(raw: dict, where: str) -> tuple[list[dict], list[Any]]:
+def _video_list(raw: dict, where: str, *keys: str) -> list[Any]:
+    return _image_list(raw, where, *keys, kind="video")
+
+
+def _llava(raw: dict, where: str) -> tuple[list[dict], list[Any], list[Any]]:
     turns = raw.get("conversations")
     if not isinstance(turns, list) or not turns:
         raise BadRecordError(f"{where}: 'conversations' must be a non-empty list of turns (llava format)")
@@ -420,10 +437,11 @@ def _llava(raw: dict, where: str) -> tuple[list[dict], list[Any]]:
             raise BadRecordError(f"{where}: every turn needs 'from' and a string 'value' (llava format)")
         texts.append((_role(turn.get("from"), where, "from"), turn["value"]))
     images = _image_list(raw, where, "image", "images")
-    return _place_images(texts, len(images), where), images
+    videos = _video_list(raw, where, "video", "videos")
+    return _place_images(texts, len(images), where, videos=len(videos)), images, videos
 
 
-def _sharegpt(raw: dict, where: str) -> tuple[list[dict], list[Any]]:
+def _sharegpt(raw: dict, where: str) -> tuple[list[dict], list[Any], list[Any]]:
     turns = raw.get("messages")
     if not isinstance(turns, list) or not turns:
         raise BadRecordError(f"{where}: 'messages' must be a non-empty list (sharegpt format)")
@@ -435,15 +453,17 @@ def _sharegpt(raw: dict, where: str) -> tuple[list[dict], list[Any]]:
             raise BadRecordError(f"{where}: every message needs 'role' and a string 'content' (sharegpt format)")
         texts.append((_role(turn.get("role"), where, "role"), turn["content"]))
     images = _image_list(raw, where, "images", "image")
-    return _place_images(texts, len(images), where), images
+    videos = _video_list(raw, where, "videos", "video")
+    return _place_images(texts, len(images), where, videos=len(videos)), images, videos
 
 
-def _typed_messages(raw: dict, where: str) -> tuple[list[dict], list[Any]]:
+def _typed_messages(raw: dict, where: str) -> tuple[list[dict], list[Any], list[Any]]:
     turns = raw.get("messages")
     if not isinstance(turns, list) or not turns:
         raise BadRecordError(f"{where}: 'messages' must be a non-empty list (messages format)")
     listed = iter(_image_list(raw, where, "images", "image"))  # for image parts that name no image
-    messages, images = [], []
+    listed_videos = iter(_video_list(raw, where, "videos", "video"))
+    messages, images, videos = [], [], []
     for turn in turns:
         if not isinstance(turn, dict):
             raise BadRecordError(f"{where}: every message must be an object with 'role' and 'content'")
@@ -457,11 +477,12 @@ def _typed_messages(raw: dict, where: str) -> tuple[list[dict], list[Any]]:
             kind = part.get("type") if isinstance(part, dict) else None
             text = _part_text(part) if kind == "text" else None
             if text is not None:
-                if IMAGE_PLACEHOLDER in text:
-                    raise BadRecordError(
-                        f"{where}: '{IMAGE_PLACEHOLDER}' in a text part; with typed content give each image as an "
-                        "image part ({'type': 'image', ...})"
-                    )
+                for marker, marked in _MARKER_KINDS.items():
+                    if marker in text:
+                        raise BadRecordError(
+                            f"{where}: '{marker}' in a text part; with typed content give each {marked} as "
+                            f"{'an' if marked == 'image' else 'a'} {marked} part ({{'type': '{marked}', ...}})"
+                        )
                 if text.strip():  # an answer as written; a prompt's text without the spaces around it
                     parts.append({"type": "text", "text": text if role == "assistant" else text.strip()})
             elif kind in ("image", "image_url"):
@@ -472,19 +493,30 @@ def _typed_messages(raw: dict, where: str) -> tuple[list[dict], list[Any]]:
                         raise BadRecordError(f"{where}: more image parts than images in 'images'")
                 parts.append({"type": "image"})
                 images.append(source)
-            elif kind in ("video", "video_url", "audio", "audio_url"):
-                raise BadRecordError(f"{where}: a {kind} part: only text and image parts train here")
+            elif kind in ("video", "video_url"):
+                source = _part_image(part, "video")
+                if source is None:
+                    source = next(listed_videos, None)
+                    if source is None:
+                        raise BadRecordError(f"{where}: more video parts than videos in 'videos'")
+                parts.append({"type": "video"})
+                videos.append(source)
+            elif kind in ("audio", "audio_url", "input_audio"):
+                raise BadRecordError(f"{where}: a {kind} part: only text, image and video parts train here")
             else:
                 raise BadRecordError(
-                    f"{where}: content part {part!r:.60} is not {{'type': 'text', 'text': ...}} or an image part"
+                    f"{where}: content part {part!r:.60} is not {{'type': 'text', 'text': ...}}, an image or a video "
+                    "part"
                 )
         messages.append({"role": role, "content": parts})
     if next(listed, None) is not None:
         raise BadRecordError(f"{where}: 'images' lists more images than the messages have image parts")
-    return messages, images
+    if next(listed_videos, None) is not None:
+        raise BadRecordError(f"{where}: 'videos' lists more videos than the messages have video parts")
+    return messages, images, videos
 
 
-def _chat(raw: dict, where: str) -> tuple[list[dict], list[Any]]:
+def _chat(raw: dict, where: str) -> tuple[list[dict], list[Any], list[Any]]:
     """sharegpt and messages records alike: string contents with "<image>" markers are sharegpt's way, typed
     parts (a string content among them is one text part) the messages format's; one file may mix both."""
     return _typed_messages(raw, where) if _has_typed_content(raw) else _sharegpt(raw, where)
@@ -493,12 +525,12 @@ def _chat(raw: dict, where: str) -> tuple[list[dict], list[Any]]:
 @dataclass(frozen=True)
 class Format:
     """One record format: the key its records hold, how its first record is recognised (no two formats
-    recognise one record), and how a record becomes chat messages and image sources."""
+    recognise one record), and how a record becomes chat messages, image sources and video sources."""
 
     name: str
     key: str
     recognises: Callable[[dict], bool]
-    read: Callable[[dict, str], tuple[list[dict], list[Any]]]
+    read: Callable[[dict, str], tuple[list[dict], list[Any], list[Any]]]
 
 
 # Every format the launcher reads, by the name data.format gives it (config.schema.DataFormat lists the same
@@ -526,13 +558,13 @@ def _part_text(part: dict) -> str | None:
     return None
 
 
-def _part_image(part: dict) -> Any:
-    """The image a content part names itself, or None: {"image": src}, {"path"}, {"url"}, {"value"}
-    (LLaMA-Factory's v1 files), {"image_url": ...}."""
-    for key in ("image", "path", "url", "value"):
+def _part_image(part: dict, kind: str = "image") -> Any:
+    """The image (video) a content part names itself, or None: {"image": src} ({"video": src}), {"path"},
+    {"url"}, {"value"} (LLaMA-Factory's v1 files), {"image_url": ...} ({"video_url": ...})."""
+    for key in (kind, "path", "url", "value"):
         if isinstance(part.get(key), str | bytes | dict):
             return part[key]
-    url = part.get("image_url")
+    url = part.get(f"{kind}_url")
     if isinstance(url, dict):
         url = url.get("url")
     return url if isinstance(url, str) else None
@@ -544,25 +576,31 @@ def _role(name: Any, where: str, key: str) -> str:
     return ROLES[name]
 
 
-def _place_images(turns: list[tuple[str, str]], count: int, where: str) -> list[dict]:
-    """Text turns with "<image>" markers -> typed messages, an image part per marker (or before the
-    first user text when there is none)."""
-    markers = sum(text.count(IMAGE_PLACEHOLDER) for _, text in turns)
-    if markers and markers != count:
-        raise BadRecordError(
-            f"{where}: {markers} '{IMAGE_PLACEHOLDER}' marker(s) but {count} image(s): give one marker per image "
-            "(or none, to put every image before the first question)"
-        )
-    messages, placed = [], markers > 0
+_MARKER_KINDS = {IMAGE_PLACEHOLDER: "image", VIDEO_PLACEHOLDER: "video"}
+_MARKERS = re.compile("(" + "|".join(re.escape(marker) for marker in _MARKER_KINDS) + ")")
+
+
+def _place_images(turns: list[tuple[str, str]], count: int, where: str, *, videos: int = 0) -> list[dict]:
+    """Text turns with "<image>" and "<video>" markers -> typed messages, an image (video) part per marker
+    (or, where a record has no marker at all, its images then its videos before the first user text)."""
+    given = {"image": count, "video": videos}
+    marked = {kind: sum(text.count(marker) for _, text in turns) for marker, kind in _MARKER_KINDS.items()}
+    for kind in given:
+        if any(marked.values()) and marked[kind] != given[kind]:
+            raise BadRecordError(
+                f"{where}: {marked[kind]} '<{kind}>' marker(s) but {given[kind]} {kind}(s): give one marker per "
+                f"{kind} (or no marker at all, to put every image and video before the first question)"
+            )
+    messages, placed = [], any(marked.values())
     for role, text in turns:
         content: list[dict] = []
         if role == "user" and not placed:
-            content += [{"type": "image"}] * count
+            content += [{"type": "image"}] * count + [{"type": "video"}] * videos
             placed = True
-        for number, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
-            if number:
-                content.append({"type": "image"})
-            if piece.strip():  # an answer as written (code keeps its indentation); a prompt's text stripped
+        for piece in _MARKERS.split(text):
+            if piece in _MARKER_KINDS:
+                content.append({"type": _MARKER_KINDS[piece]})
+            elif piece.strip():  # an answer as written (code keeps its indentation); a prompt's text stripped
                 content.append({"type": "text", "text": piece if role == "assistant" else piece.strip()})
         messages.append({"role": role, "content": content})
     return messages
@@ -577,8 +615,9 @@ def _check_conversation(messages: list[dict], where: str, fmt: str) -> None:
     if "system" in roles[1:]:
         raise BadRecordError(f"{where}: a system turn may only come first")
     for number, message in enumerate(messages, start=1):
-        if message["role"] != "user" and any(p["type"] == "image" for p in message["content"]):
-            raise BadRecordError(f"{where}: images may only be in user turns, not in a {message['role']} turn")
+        media = sorted({p["type"] for p in message["content"]} & {"image", "video"})
+        if message["role"] != "user" and media:
+            raise BadRecordError(f"{where}: {media[0]}s may only be in user turns, not in a {message['role']} turn")
         if message["role"] == "assistant" and not message["content"]:
             raise BadRecordError(
                 f"{where}: turn {number} is an empty answer (no text, or only spaces): nothing to learn; "
@@ -587,9 +626,11 @@ def _check_conversation(messages: list[dict], where: str, fmt: str) -> None:
 
 
 def record_texts(record: dict) -> list[str]:
-    """Each turn's text with "<image>" where its images go (a tiny model's tokenizer learns from these)."""
+    """Each turn's text with "<image>" ("<video>") where its images (videos) go (a tiny model's tokenizer
+    learns from these)."""
+    marker = {kind: text for text, kind in _MARKER_KINDS.items()}
     return [
-        "\n".join(IMAGE_PLACEHOLDER if p["type"] == "image" else p["text"] for p in message["content"])
+        "\n".join(marker[p["type"]] if p["type"] in marker else p["text"] for p in message["content"])
         for message in record["messages"]
     ]
 
@@ -631,14 +672,37 @@ def check_image(source: Any, where: str, image_root: Path, options: ReadOptions)
     return str(path)
 
 
-def _inside_root(name: str, image_root: Path, where: str) -> Path:
+def check_video_source(source: Any, where: str, image_root: Path, options: ReadOptions) -> str | bytes:
+    """A video reference -> an absolute path, or the video's bytes; BadRecordError when it cannot train
+    (launcher.data.video.check_video; with options.decode, its sampled frames decoded too)."""
+    if isinstance(source, dict):  # a `datasets` Video column read undecoded
+        source = source.get("bytes") or source.get("path")
+    if isinstance(source, str) and source.startswith(("http://", "https://")):
+        raise BadRecordError(f"{where}: video {source} is a URL; videos are not downloaded: fetch them, give paths")
+    if isinstance(source, str) and source:
+        source = str(_inside_root(source.removeprefix("file://"), image_root, where, kind="video"))
+    elif not isinstance(source, bytes):
+        raise BadRecordError(f"{where}: a video must be a path (relative to data.image_root) or embedded bytes")
+    try:
+        if options.check_headers or options.decode:
+            check_video(source, options.video)
+        elif isinstance(source, str) and not Path(source).is_file():
+            raise BadVideoError(f"video {source} does not exist")
+        if options.decode:
+            decode_frames(source, options.video)
+    except BadVideoError as error:
+        raise BadRecordError(f"{where}: {error}") from None
+    return source
+
+
+def _inside_root(name: str, image_root: Path, where: str, kind: str = "image") -> Path:
     """The path `name` names under the root, refused when it leaves the root ("../", an absolute path
     elsewhere). Checked on the path as written: a symlinked image folder inside the root is fine."""
     path = Path(os.path.normpath(image_root / name))
     if path != image_root and image_root not in path.parents:
         raise BadRecordError(
-            f"{where}: image path {name!r} leaves the image root {image_root}: give paths inside data.image_root "
-            "(or set data.image_root to a folder that holds the images)"
+            f"{where}: {kind} path {name!r} leaves the image root {image_root}: give paths inside data.image_root "
+            f"(or set data.image_root to a folder that holds the {kind}s)"
         )
     return path
 

@@ -36,7 +36,7 @@ from launcher.core.children import helper_process
 from launcher.core.manifest import damage, fingerprint
 from launcher.data.formats import ReadOptions, read_records
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: records' videos
 
 log = logging.getLogger("launcher")
 BATCH_ROWS = 4096  # records per Arrow record batch: what one sequential read parses at a time
@@ -53,6 +53,7 @@ SCHEMA = pa.schema(
         ("index", pa.int64()),
         ("images", pa.list_(IMAGE)),
         ("messages", pa.string()),  # JSON: the chat-template messages
+        ("videos", pa.list_(IMAGE)),  # as images: a path or the bytes
     ]
 )
 
@@ -159,9 +160,11 @@ def indexed_records(
 
 def index_table(identity: list[Any], options: ReadOptions, index_dir: Path) -> Path:
     """Where the index of the file `identity` (`file_identity`) read with `options` is (or goes)."""
-    key = hashlib.sha256(
-        json.dumps([INDEX_VERSION, identity, asdict(options)], sort_keys=True, default=str).encode()
-    ).hexdigest()[:20]
+    read = asdict(options)
+    if not options.decode:  # reading checks a video's length alone; which frames train is the loaders' concern
+        read["video"] = {"max_seconds": options.video.max_seconds}
+    key = hashlib.sha256(json.dumps([INDEX_VERSION, identity, read], sort_keys=True, default=str).encode()).hexdigest()
+    key = key[:20]
     return index_dir / f"{key}.arrow"
 
 
@@ -229,19 +232,25 @@ def _write(table: Path, records: list[dict], meta: dict) -> None:
 
 
 def table_row(record: dict) -> dict:
-    images = [
-        {"path": None, "bytes": i} if isinstance(i, bytes) else {"path": i, "bytes": None} for i in record["images"]
-    ]
     return {
         "id": record["id"],
         "where": record["where"],
         "file": record["file"],
         "index": record["index"],
-        "images": images,
+        "images": _media_column(record["images"]),
         "messages": json.dumps(record["messages"]),
+        "videos": _media_column(record.get("videos") or []),
     }
 
 
+def _media_column(sources: list[str | bytes]) -> list[dict]:
+    return [{"path": None, "bytes": s} if isinstance(s, bytes) else {"path": s, "bytes": None} for s in sources]
+
+
 def _record(row: dict) -> dict:
-    images = [image["bytes"] if image["path"] is None else image["path"] for image in row["images"]]
-    return {**row, "images": images, "messages": json.loads(row["messages"])}
+    record = {**row, "messages": json.loads(row["messages"])}
+    for kind in ("images", "videos"):
+        record[kind] = [media["bytes"] if media["path"] is None else media["path"] for media in row.get(kind) or []]
+    if not record["videos"]:  # as formats.normalize makes it: "videos" only where a record has some
+        del record["videos"]
+    return record

@@ -16,9 +16,17 @@ from torch.utils.data import Dataset
 
 from launcher.config.schema import DataConfig, SourceConfig
 from launcher.core.errors import LauncherError
-from launcher.data.formats import DEFAULT_MAX_IMAGE_PIXELS, ReadOptions, looks_like_hub_id, open_image, read_records
+from launcher.data.formats import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    BadRecordError,
+    ReadOptions,
+    looks_like_hub_id,
+    open_image,
+    read_records,
+)
 from launcher.data.index import Records, indexed_records
 from launcher.data.shapes import prepare_data
+from launcher.data.video import BadVideoError, VideoSampling, decode_frames, frames_as_images
 
 INDEX_DIR = "record_index"  # under cache_dir
 
@@ -133,6 +141,7 @@ def _read_options(
         image_root=Path(str(image_root)).expanduser() if image_root else None,
         on_bad_record=str(data.on_bad_record),
         max_image_pixels=int(data.max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS),
+        video=VideoSampling.of(data.video),
         decode=decode,
         split=str(data.split or "train"),
         cache_dir=cache / "hf_datasets",
@@ -153,24 +162,41 @@ def _existing_data_path(path: Any, key: str) -> str:
 
 
 class ConversationDataset(Dataset):
-    """Records -> {"id", "where", "images": RGB PIL images, "messages", "source"}; images decode here, in workers."""
+    """Records -> {"id", "where", "images": RGB PIL images, "messages", "source"}; images decode here, in workers.
 
-    def __init__(self, records: Sequence[dict]):
+    A record's videos are sampled and decoded here too (`video`: data.video), and each becomes its frames,
+    placed as images where the video was (launcher.data.video.frames_as_images); such a sample also holds
+    "media": (source, frames) per image or video, in order, which the data cache stores encoded."""
+
+    def __init__(self, records: Sequence[dict], video: VideoSampling | None = None):
         self.records = records
+        self.video = video or VideoSampling()
 
     def __len__(self) -> int:
         return len(self.records)
 
     def __getitem__(self, index: int) -> dict:
-        record = self.records[index]
-        images = [open_image(image, record["where"]) for image in record["images"]]
-        return {
-            "id": record["id"],
-            "where": record["where"],
-            "images": images,
-            "messages": record["messages"],
-            "source": record.get("source", 0),
-        }
+        return decode_record(self.records[index], self.video)
+
+
+def decode_record(record: dict, video: VideoSampling) -> dict:
+    """One record as training takes it: its images decoded, its videos' sampled frames as images."""
+    where = record["where"]
+    images = [open_image(image, where) for image in record["images"]]
+    sample = {"id": record["id"], "where": where, "images": images, "messages": record["messages"]}
+    if record.get("videos"):
+        videos = [(source, _frames(source, where, video)) for source in record["videos"]]
+        paired = list(zip(record["images"], images, strict=True))
+        sample["messages"], sample["images"], sample["media"] = frames_as_images(record["messages"], paired, videos)
+    sample["source"] = record.get("source", 0)
+    return sample
+
+
+def _frames(source: str | bytes, where: str, video: VideoSampling) -> list:
+    try:
+        return decode_frames(source, video)
+    except BadVideoError as error:
+        raise BadRecordError(f"{where}: {error}; fix or remove it, or set data.on_bad_record=skip") from None
 
 
 def require_one_global_batch(records: int, micro: int, world_size: int) -> None:

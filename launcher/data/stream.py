@@ -53,10 +53,10 @@ from launcher.data.formats import (
     SkipTally,
     detect_format,
     normalize,
-    open_image,
     skipped_entry,
 )
 from launcher.data.length import RecordTooLong
+from launcher.data.records import decode_record
 
 STREAM_SUFFIXES = (".json", ".jsonl", *DATASET_SUFFIXES)
 VOCABULARY_RECORDS = 10_000  # a tiny model's vocabulary comes from this many records of a stream
@@ -306,8 +306,7 @@ class RecordStream(IterableDataset):
         try:
             record = self.record(file, row, raw)
             record_id = record["id"]
-            images = [open_image(image, where) for image in record["images"]]
-            sample = {"id": record_id, "where": where, "images": images, "messages": record["messages"], "source": 0}
+            sample = decode_record({**record, "where": where}, self.options.video)  # videos: their frames as images
             tensors, cut = self.encode(sample)
             return Streamed(epoch, position, file, row, record_id, tensors, cut)
         except BadRecordError as error:

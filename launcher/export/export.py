@@ -40,6 +40,7 @@ from launcher.core.signals import STOP_SIGNALS, handling, name, pause_for_test
 from launcher.data.collate import Collator
 from launcher.data.formats import BadRecordError
 from launcher.data.records import ConversationDataset, read_data
+from launcher.data.video import VideoSampling
 from launcher.model.loading import load_model_and_processor, set_pixel_limits
 from launcher.model.method import apply_method, uses_adapters
 from launcher.train import universal
@@ -315,7 +316,7 @@ def held_out_batches(cfg: Config, processor: Any, samples: int) -> list[dict[str
     cache = Path(str(cfg.cache_dir)).expanduser().absolute()
     data = dataclasses.replace(cfg.data, on_bad_record=OnBadRecord.skip)
     loaded = read_data(data, cache)
-    dataset = ConversationDataset(loaded.eval or loaded.train)
+    dataset = ConversationDataset(loaded.eval or loaded.train, VideoSampling.of(cfg.data.video))
     chosen = []
     for index in range(len(dataset)):  # the first `samples` whose images decode
         with contextlib.suppress(BadRecordError):

@@ -38,6 +38,7 @@ from launcher.data.records import ConversationDataset, LoadedData, Source, read_
 from launcher.data.sampling import LengthGroupedSampler, MixtureSampler, PackedSampler
 from launcher.data.shapes import prepare_data
 from launcher.data.stream import RecordStream, StreamOrder, stream_files, stream_options, streamed_batches
+from launcher.data.video import VideoSampling
 from launcher.job.planning import cache_dir
 from launcher.job.spec import Job
 from launcher.model.stats import pack_length
@@ -328,7 +329,8 @@ def _held_out(
         return loader, None, pairs
     # The same number of samples per rank: under ZeRO-3 the ranks' generate calls run in lock-step.
     usable = min(int(data.eval_samples), len(kept)) // rank.world_size * rank.world_size
-    samples = ConversationDataset([records[int(i)] for i in kept[:usable][rank.rank :: rank.world_size]])
+    chosen = [records[int(i)] for i in kept[:usable][rank.rank :: rank.world_size]]
+    samples = ConversationDataset(chosen, VideoSampling.of(data.video))
     return loader, samples, pairs
 
 
@@ -355,7 +357,8 @@ def _split(
         tally.entries += [{"split": split, **entry} for entry in info.skip_log]
         kept = dataset.indices  # those that decoded and fit
         return dataset, CachedCollator(processor, image_every_batch=guard), kept, info
-    report = fit_records(records, processor, limit, num_workers=int(data.num_workers))
+    video = VideoSampling.of(data.video)
+    report = fit_records(records, processor, limit, num_workers=int(data.num_workers), video=video)
     tally.too_long += len(report.skipped)
     tally.truncated += report.cut
     for index, reason in report.skipped:
@@ -363,7 +366,8 @@ def _split(
         entry = skipped_entry(record.get("file", ""), record.get("index", index), reason)
         tally.entries.append({"split": split, **entry})
     kept = Subset(records, report.kept) if len(report.kept) < len(records) else records
-    return ConversationDataset(kept), Collator(processor, image_every_batch=guard, limit=limit), report.kept, None
+    collate = Collator(processor, image_every_batch=guard, limit=limit)
+    return ConversationDataset(kept, video), collate, report.kept, None
 
 
 def _cached(job: Job, rank: Rank, processor: Any, records: Records, stop: Callable[[], bool]) -> tuple[Any, CacheInfo]:

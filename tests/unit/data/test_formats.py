@@ -199,8 +199,8 @@ def test_llama_factory_v1_files_name_parts_by_value(tmp_path):
             {"role": "assistant", "content": [text("Celebrating.")]},
         ]
     }
-    video = {"messages": [{"role": "user", "content": [{"type": "video_url", "value": "v.mp4"}]}, ASSISTANT]}
-    path = write_json(tmp_path / "v1.jsonl", [row, video], lines=True)
+    audio = {"messages": [{"role": "user", "content": [{"type": "audio_url", "value": "a.wav"}]}, ASSISTANT]}
+    path = write_json(tmp_path / "v1.jsonl", [row, audio], lines=True)
     records, skipped, fmt = read(path, on_bad_record="skip")
     assert (fmt, skipped, len(records)) == ("messages", 1, 1)
     (record,) = records
@@ -208,7 +208,7 @@ def test_llama_factory_v1_files_name_parts_by_value(tmp_path):
     assert record["messages"][0]["content"] == [{"type": "image"}, {"type": "text", "text": "Who are they?"}]
     assert record["messages"][2]["content"] == [{"type": "text", "text": "What are they doing?"}, {"type": "image"}]
     assert record["messages"][3] == {"role": "assistant", "content": [{"type": "text", "text": "Celebrating."}]}
-    with pytest.raises(LauncherError, match=r"record 1\): a video_url part: only text and image parts train here"):
+    with pytest.raises(LauncherError, match=r"record 1\): a audio_url part: only text, image and video parts train"):
         read(path)
 
 

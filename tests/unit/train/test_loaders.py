@@ -12,6 +12,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -290,3 +291,58 @@ def test_max_length_cuts_and_skips_and_every_skipped_record_is_listed(train_in_p
         assert more.outcome.status == "completed", more.outcome.error
         again = [json.loads(line) for line in run_dir.skipped_records.read_text().splitlines()]
         assert again == lines and read_summary(run_dir.path)["steps"] == 3
+
+
+# ----------------------------------------------------------------------------- videos
+def write_video_data(root: Path, n: int = 24) -> Path:
+    """A sharegpt set mixing image, video and text-only records (a third each), and one video cut short of the
+    frames its header lists, which only decoding finds."""
+    from launcher.data.video import write_video
+
+    names = write_images(root / "img")
+    for direction, step in (("right", 3), ("left", -3)):
+        frames = []
+        for index in range(8):
+            pixels = np.zeros((32, 32, 3), dtype=np.uint8)
+            x = 16 + step * (index - 4)
+            pixels[12:20, x - 2 : x + 2] = 255
+            frames.append(pixels)
+        write_video(root / "img" / f"{direction}.mp4", frames, fps=4)
+    whole = (root / "img" / "right.mp4").read_bytes()
+    (root / "img" / "cut.mp4").write_bytes(whole[: int(len(whole) * 0.8)])
+    rows = []
+    for index in range(n):
+        if index % 3 == 0:
+            media, question, answer = {"images": [names[index % len(names)]]}, "<image>what colour?", "red"
+        elif index % 3 == 1:
+            direction = "right" if index % 2 else "left"
+            media, question, answer = {"videos": [f"{direction}.mp4"]}, "<video>which way?", direction
+        else:
+            media, question, answer = {}, "say hi", "hi"
+        messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        rows.append({**media, "messages": messages})
+    rows.append({"videos": ["cut.mp4"], "messages": [{"role": "user", "content": "<video>which way?"},
+                                                     {"role": "assistant", "content": "right"}]})  # fmt: skip
+    path = root / "videos.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("arch", ["tiny_llava", "tiny_qwen2_vl"])
+def test_image_video_and_text_records_train_alike_with_the_data_cache_or_without(train_in_process, tmp_path, arch):
+    """Each video trains as its sampled frames; the cache (which keeps the video files) and the records decoded
+    each step give the same losses; the video cut short is skipped and listed, both ways."""
+    path = write_video_data(tmp_path)
+    job = (*QUICK, f"model={arch}", "data=llava_json", f"data.path={path}", f"data.image_root={tmp_path / 'img'}")
+    job = (*job, "train.max_steps=6")
+    job = (*job, "data.on_bad_record=skip", "data.video.min_frames=2", "data.video.max_frames=4")
+    curves = {}
+    for cache in ("true", "false"):
+        ran = train_in_process(*job, f"data.cache={cache}", run_dir=tmp_path / f"cache-{cache}")
+        assert ran.outcome.status == "completed", ran.outcome.error
+        assert read_summary(ran.run_dir)["records_skipped"] == 1
+        (listed,) = [json.loads(line) for line in (ran.run_dir / "skipped_records.jsonl").read_text().splitlines()]
+        assert listed["record"] == 24 and re.search(r"cut.mp4 (ends after|fails to decode at frame)", listed["reason"])
+        curves[cache] = losses(ran.run_dir)
+    assert len(curves["true"]) == 6 and all(loss == loss for loss in curves["true"])
+    assert curves["true"] == pytest.approx(curves["false"], rel=1e-6)
