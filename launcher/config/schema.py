@@ -56,7 +56,7 @@ Preflight = _choice("Preflight", ("warn", "error", "off"))
 Method = _choice("Method", ("full", "lora", "qlora"))
 AttnImplementation = _choice("AttnImplementation", ("auto", "eager", "sdpa", "flash_attention_2"))
 Batching = _choice("Batching", ("pad", "group", "pack"))
-ShapesTask = _choice("ShapesTask", ("shape", "colour"))
+ShapesTask = _choice("ShapesTask", ("shape", "colour", "motion"))
 # A tiny model's starting weights (model.tiny_base): random, or pretrained once on one of the built-in set's
 # tasks; auto pretrains where adapters would otherwise learn around noise (launcher.model.method.tiny_base_task).
 TinyBase = _choice("TinyBase", ("auto", "random", "shape", "colour"))
@@ -358,7 +358,9 @@ class DataConfig:
     image_size: int | None = None
     seed: int | None = None
     # Which question the built-in images ask: shape ("what is in the image?" -> "red circle") or colour
-    # ("what colour is the shape?" -> "red"), a second task on the same kind of images.
+    # ("what colour is the shape?" -> "red"), a second task on the same kind of images; or motion, 2 s
+    # videos of a shape crossing the frame ("which way does the shape move?" -> "left"), which no single
+    # frame answers.
     task: ShapesTask = ShapesTask.shape
     # Records are preference pairs (a chosen and a rejected answer), each read as two adjacent records:
     # set by the loss (a preference loss), not by hand.

@@ -101,29 +101,39 @@ def probe_video(source: str | bytes) -> VideoInfo:
         raise BadVideoError(f"{what} is empty (0 bytes)")
     try:
         with _open(source) as container:
-            if not container.streams:
-                raise BadVideoError(f"{what} holds no stream at all (a truncated or damaged file?)")
-            if not container.streams.video:
-                kinds = sorted({stream.type for stream in container.streams})
-                raise BadVideoError(f"{what} has no video stream ({' and '.join(kinds)} only)")
-            stream = container.streams.video[0]
-            codec = stream.codec_context.name if stream.codec_context is not None else None
-            if not codec or codec not in av.codecs_available:
-                raise BadVideoError(f"{what}: its codec {codec or stream.codec_tag!r} cannot be decoded here")
-            frames = int(stream.frames or 0)
-            rate = stream.average_rate or stream.guessed_rate
-            seconds = float(stream.duration * stream.time_base) if stream.duration and stream.time_base else 0.0
-            if not frames:  # a container that does not count them (webm, some mkv): count the packets
-                frames = sum(1 for packet in container.demux(stream) if packet.size)
-            if not seconds and container.duration:
-                seconds = container.duration / 1_000_000
-            if not seconds and rate:
-                seconds = frames / float(rate)
-            width, height = int(stream.codec_context.width), int(stream.codec_context.height)
+            return _facts(container, what, count=True)
     except BadVideoError:
         raise
     except (av.FFmpegError, OSError, ValueError, EOFError) as error:
         raise BadVideoError(f"{what} cannot be opened as a video ({_reason(error)})") from None
+
+
+def _facts(container: Any, what: str, *, count: bool) -> VideoInfo:
+    """The facts of an open container's first video stream. Where the container does not count its frames
+    (webm, some mkv), `count` counts the packets (reading the file to its end); without it, 0 frames."""
+    import av
+
+    if not container.streams:
+        raise BadVideoError(f"{what} holds no stream at all (a truncated or damaged file?)")
+    if not container.streams.video:
+        kinds = sorted({stream.type for stream in container.streams})
+        raise BadVideoError(f"{what} has no video stream ({' and '.join(kinds)} only)")
+    stream = container.streams.video[0]
+    codec = stream.codec_context.name if stream.codec_context is not None else None
+    if not codec or codec not in av.codecs_available:
+        raise BadVideoError(f"{what}: its codec {codec or stream.codec_tag!r} cannot be decoded here")
+    frames = int(stream.frames or 0)
+    if not frames and not count:
+        return VideoInfo(frames=0, seconds=0.0, width=0, height=0, codec=codec)
+    rate = stream.average_rate or stream.guessed_rate
+    seconds = float(stream.duration * stream.time_base) if stream.duration and stream.time_base else 0.0
+    if not frames:
+        frames = sum(1 for packet in container.demux(stream) if packet.size)
+    if not seconds and container.duration:
+        seconds = container.duration / 1_000_000
+    if not seconds and rate:
+        seconds = frames / float(rate)
+    width, height = int(stream.codec_context.width), int(stream.codec_context.height)
     if frames <= 0:
         raise BadVideoError(f"{what} has no frames")
     if width <= 0 or height <= 0:
@@ -158,31 +168,39 @@ def decode_frames(source: str | bytes, sampling: VideoSampling) -> list[Image.Im
     video does not decode (a truncated file, a damaged stream)."""
     import av
 
-    info = probe_video(source)
-    wanted = sample_frames(info, sampling)
-    needed = set(wanted)
+    what = _what(source)
     decoded: dict[int, Image.Image] = {}
-    last = max(wanted)
-    index = -1
+    index, info, needed = -1, None, set()
     try:
-        with _open(source) as container:
-            stream = container.streams.video[0]
-            stream.thread_type = "AUTO"
-            for index, frame in enumerate(container.decode(stream)):
-                if index in needed:
-                    decoded[index] = _within(frame.to_image(), sampling.max_pixels)
-                if index >= last:
-                    break
+        container = _open(source)
     except (av.FFmpegError, OSError, ValueError, EOFError) as error:
+        raise BadVideoError(f"{what} cannot be opened as a video ({_reason(error)})") from None
+    try:
+        info = _facts(container, what, count=False)  # one open: the header, then the frames
+        if not info.frames:  # the container counts no frames: count them first, then read it again
+            container.close()
+            info = probe_video(source)
+            container = _open(source)
+        wanted = sample_frames(info, sampling)
+        needed, last = set(wanted), max(wanted)
+        # FFmpeg's own threads stay off: the DataLoader's workers decode videos side by side already.
+        for index, frame in enumerate(container.decode(container.streams.video[0])):
+            if index in needed:
+                decoded[index] = _within(frame.to_image(), sampling.max_pixels)
+            if index >= last:
+                break
+    except (av.FFmpegError, OSError, ValueError, EOFError) as error:
+        listed = f" of the {info.frames} its header lists" if info is not None else ""
         raise BadVideoError(
-            f"{_what(source)} fails to decode at frame {index + 2} of the {info.frames} its header lists "
-            f"({_reason(error)}): a truncated or damaged file?"
+            f"{what} fails to decode at frame {index + 2}{listed} ({_reason(error)}): a truncated or damaged file?"
         ) from None
+    finally:
+        container.close()
     if len(decoded) < len(needed):
         # The container promised more frames than the stream holds (a file cut short): the missing ones are
         # the last sampled, and evenly spread frames of what is there would be another sampling altogether.
         raise BadVideoError(
-            f"{_what(source)} ends after {index + 1} of the {info.frames} frames its header lists (a truncated file?)"
+            f"{what} ends after {index + 1} of the {info.frames} frames its header lists (a truncated file?)"
         )
     return [decoded[i] for i in wanted]
 

@@ -4,6 +4,7 @@ its cache, and asks either of its two tasks about the same images."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 
 import numpy as np
@@ -124,3 +125,32 @@ def test_the_preference_task_prefers_the_right_answer_about_the_same_images(tmp_
     # Each answer is rejected about as often as it is chosen: the answers alone tell nothing.
     for value in set(chosen):
         assert abs(rejected.count(value) - chosen.count(value)) <= chosen.count(value) // 2 + 1, (value, rejected)
+
+
+def test_the_motion_task_asks_which_way_a_shape_moves_in_a_clip(tmp_path):
+    """data.task=motion: 2 s clips of a shape crossing the frame, the four directions balanced, the splits'
+    clips disjoint; between every two frames sampled for training the shape moves that way."""
+    from launcher.data.shapes import DIRECTIONS, MOTION_FRAMES, MOTION_QUESTION
+    from launcher.data.video import VideoSampling, decode_frames, probe_video
+
+    made = generate_shapes(tmp_path / "m", seed=0, n_train=40, n_eval=8, image_size=32, task="motion")
+    again = generate_shapes(tmp_path / "again", seed=0, n_train=40, n_eval=8, image_size=32, task="motion")
+    train_json, eval_json, root = made
+    assert train_json.read_bytes() == again[0].read_bytes()
+    assert (root / "train/00000.mp4").read_bytes() == (again[2] / "train/00000.mp4").read_bytes()
+    train, _ = load_records(train_json, root)
+    held_out, _ = load_records(eval_json, root)
+    assert [answer(r) for r in train].count("left") == 10 and {answer(r) for r in train} == set(DIRECTIONS)
+    assert train[0]["messages"][0]["content"] == [{"type": "video"}, {"type": "text", "text": MOTION_QUESTION}]
+    assert not {r["videos"][0] for r in train} & {r["videos"][0] for r in held_out}
+    for record in train:
+        assert probe_video(record["videos"][0]).frames == MOTION_FRAMES
+        masks = []
+        for frame in decode_frames(record["videos"][0], VideoSampling()):  # the shape: far from the background
+            pixels = np.asarray(frame, dtype=float)
+            masks.append(np.abs(pixels - np.median(pixels, axis=(0, 1))).sum(axis=2) > 120)
+        dy, dx = DIRECTIONS[answer(record)][1], DIRECTIONS[answer(record)][0]
+        for before, after in itertools.pairwise(masks):  # the shift that matches best
+            shifts = [(r, c) for r in range(-12, 13) for c in range(-12, 13)]
+            best = max(shifts, key=lambda shift: int((np.roll(before, shift, axis=(0, 1)) & after).sum()))
+            assert best[0] * dy + best[1] * dx > 0 and best[0] * dx == 0 and best[1] * dy == 0, (record["id"], best)

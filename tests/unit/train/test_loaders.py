@@ -9,6 +9,7 @@ tests/e2e/test_train.py. The data writers are tests/helpers.py's.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -346,3 +347,25 @@ def test_image_video_and_text_records_train_alike_with_the_data_cache_or_without
         curves[cache] = losses(ran.run_dir)
     assert len(curves["true"]) == 6 and all(loss == loss for loss in curves["true"])
     assert curves["true"] == pytest.approx(curves["false"], rel=1e-6)
+
+
+def test_a_preference_pair_with_a_video_trains_from_log_2(train_in_process, tmp_path):
+    """DPO on LLaMA-Factory pairs whose prompts hold a video, an image or nothing: the loss starts at log 2
+    (the policy is the reference) and falls."""
+    write_video_data(tmp_path)
+    rows = []
+    for index in range(16):
+        direction, other = ("right", "left") if index % 2 else ("left", "right")
+        media = {"videos": [f"{direction}.mp4"]} if index % 4 < 2 else {"images": ["red_24.png"]}
+        prompt = "<video>which way?" if "videos" in media else "<image>what colour?"
+        chosen, rejected = (direction, other) if "videos" in media else ("red", "blue")
+        rows.append({**media, "messages": [{"role": "user", "content": prompt}],
+                     "chosen": {"role": "assistant", "content": chosen},
+                     "rejected": {"role": "assistant", "content": rejected}})  # fmt: skip
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    job = (*QUICK, "loss=dpo", "data=llava_json", f"data.path={path}", f"data.image_root={tmp_path / 'img'}")
+    ran = train_in_process(*job, "train.max_steps=4", "data.video.min_frames=2", "data.video.max_frames=4")
+    assert ran.outcome.status == "completed", ran.outcome.error
+    curve = losses(ran.run_dir)
+    assert curve[0] == pytest.approx(math.log(2.0), abs=1e-6) and curve[-1] < curve[0]

@@ -1,0 +1,117 @@
+"""What videos cost the data path: reading (each video's header checked into the record index), decoding the
+sampled frames and running the image processor on them (what a DataLoader worker does per record and step),
+and the data cache (bytes per record against the source file's, its build time per record).
+
+    python bench/video_data.py                      # 1,000 and 10,000 clips of 32 px, 200 of 224 px
+    python bench/video_data.py --small 1000 --large 100
+
+Clips: the built-in motion task's (32 x 32, 8 frames, 2 s; 4 frames sampled at data.video's default 2 per
+second) and larger ones (224 x 224, 64 frames at 8 per second, 8 s; 16 frames sampled). The processor is the
+tiny LLaVA's (CLIP, 32 px) for the first and a LLaVA-1.5-shaped one (CLIP at 336 px, 576 tokens a frame) for
+the second. Prints one table; each figure is this process's CPU seconds and the wall time beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from launcher.data.cache import RecordEncoder, ensure_cache
+from launcher.data.formats import ReadOptions, read_records
+from launcher.data.records import ConversationDataset
+from launcher.data.shapes import MOTION_FPS, _draw_motion
+from launcher.data.video import VideoSampling, write_video
+from launcher.model.tiny import build_tiny_model_dir
+
+WORDS = ["which way does the shape move?", "left", "right", "up", "down"]
+
+
+def clips(root: Path, count: int, size: int, frames: int, fps: int) -> Path:
+    """`count` records, each its own clip (a shape moving on noise), in a JSON lines file."""
+    rng = np.random.default_rng(0)
+    (root / "clips").mkdir(parents=True)
+    rows = []
+    for index in range(count):
+        direction = WORDS[1 + index % 4]
+        drawn = _draw_motion(rng, "red", "square", size, direction)
+        moving = [drawn[min(len(drawn) - 1, step * len(drawn) // frames)] for step in range(frames)]
+        write_video(root / "clips" / f"{index:05d}.mp4", moving, fps=fps, codec="mpeg4")
+        messages = [{"role": "user", "content": f"<video>{WORDS[0]}"}, {"role": "assistant", "content": direction}]
+        rows.append({"videos": [f"clips/{index:05d}.mp4"], "messages": messages})
+    path = root / "data.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    return path
+
+
+def timed(work) -> tuple[float, float, object]:
+    cpu, wall = time.process_time(), time.perf_counter()
+    result = work()
+    return time.process_time() - cpu, time.perf_counter() - wall, result
+
+
+def measure(name: str, root: Path, count: int, size: int, frames: int, fps: int, processor) -> dict:
+    data = clips(root, count, size, frames, fps)
+    source_bytes = sum(path.stat().st_size for path in (root / "clips").iterdir()) / count
+    sampling = VideoSampling(max_pixels=None)
+    read_cpu, read_wall, (records, _, _) = timed(lambda: read_records(data, ReadOptions(video=sampling)))
+    dataset = ConversationDataset(records, sampling)
+    few = min(count, 200)
+    decode_cpu, decode_wall, samples = timed(lambda: [dataset[index] for index in range(few)])
+    sampled = len(samples[0]["images"])
+    process_cpu, process_wall, _ = timed(
+        lambda: [processor.image_processor(sample["images"], return_tensors="pt") for sample in samples]
+    )
+    encode = RecordEncoder(processor, None, "encoded", sampling)
+    build_cpu, build_wall, info = timed(
+        lambda: ensure_cache(
+            root / "cache", records, processor, "bench", encode, dataset.__getitem__, on_bad_record="error",
+            num_workers=0,
+        )
+    )  # fmt: skip
+    return {
+        "clips": name,
+        "records": count,
+        "frames sampled": sampled,
+        "read (ms/record)": f"{1000 * read_cpu / count:.2f} ({1000 * read_wall / count:.2f})",
+        "decode (ms/record)": f"{1000 * decode_cpu / few:.2f} ({1000 * decode_wall / few:.2f})",
+        "decode (ms/frame)": f"{1000 * decode_cpu / few / sampled:.2f}",
+        "process (ms/record)": f"{1000 * process_cpu / few:.2f} ({1000 * process_wall / few:.2f})",
+        "cache build (ms/record)": f"{1000 * build_cpu / count:.2f} ({1000 * build_wall / count:.2f})",
+        "cache bytes/record": round(info.bytes / count),
+        "source bytes/record": round(source_bytes),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--small", type=int, nargs="+", default=[1000, 10000], help="32 px clips per run")
+    parser.add_argument("--large", type=int, default=200, help="224 px clips")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        tiny = dict(hidden_size=64, num_layers=1, vision_hidden_size=32, vision_layers=1)
+        small = build_tiny_model_dir("tiny_llava", root / "small", WORDS, seed=0, image_size=32, patch_size=8, **tiny)
+        large = build_tiny_model_dir("tiny_llava", root / "large", WORDS, seed=0, image_size=336, patch_size=14, **tiny)
+        from transformers import AutoProcessor
+
+        small_processor, large_processor = AutoProcessor.from_pretrained(small), AutoProcessor.from_pretrained(large)
+        rows = [
+            measure("32 px, 8 frames", root / f"small{count}", count, 32, 8, MOTION_FPS, small_processor)
+            for count in args.small
+        ]
+        if args.large:
+            rows.append(measure("224 px, 64 frames", root / "large", args.large, 224, 64, 8, large_processor))
+    keys = list(rows[0])
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for row in rows:
+        print("| " + " | ".join(str(row[key]) for key in keys) + " |")
+
+
+if __name__ == "__main__":
+    main()
