@@ -115,6 +115,7 @@ RANGES: tuple[Range, ...] = (
     Range("plan.headroom", lambda v: 0 <= float(v) < 1, "must be a fraction in [0, 1)"),
     *(at_least(f"plan.{key}", 1, optional=True) for key in ("seq_len", "text_tokens", "image_size")),
     at_least("plan.images_per_sample", 0),
+    at_least("plan.videos_per_sample", 0),
     Range("method.r", lambda v: int(v) >= 1, "must be a positive LoRA rank (8 to 64 are usual)", when=_adapters),
     Range("method.alpha", lambda v: float(v) > 0, "must be positive (usually 2 x method.r)", when=_adapters),
     Range("method.dropout", lambda v: 0 <= float(v) < 1, "must lie in [0, 1)", when=_adapters),

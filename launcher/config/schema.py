@@ -416,6 +416,8 @@ class PlanConfig:
     seq_len: int | None = None
     text_tokens: int | None = None  # null: 512 (tiny models: 32)
     images_per_sample: int = 1
+    # Videos per sample, each planned as data.video.max_frames frames, a frame as an image (as it trains).
+    videos_per_sample: int = 0
     image_size: int | None = None  # pixels per side for dynamic-resolution models (Qwen2-VL); null: 448
     precisions: list[PlannedPrecision] | None = None  # null: those the device supports (bf16, fp16, fp32)
     markdown: bool = False  # print the table as Markdown

@@ -271,10 +271,11 @@ def sequence(cfg: Config, stats: ModelStats) -> tuple[int, int]:
     set: a batch is padded to its longest sample and no sample is longer, so a job's memory is bounded by it
     (a plan.text_tokens given as well is planned, up to data.max_length); else plan.text_tokens (default 512,
     or 32 for tiny models, whose built-in conversations are about 15 text tokens) plus the image tokens of
-    plan.images_per_sample images.
+    plan.images_per_sample images. Each of plan.videos_per_sample videos counts as data.video.max_frames
+    images: its frames train as images (launcher.data.video.frames_as_images).
     """
     plan = cfg.plan
-    images = int(plan.images_per_sample)
+    images = int(plan.images_per_sample) + int(plan.videos_per_sample) * int(cfg.data.video.max_frames)
     if plan.seq_len:
         return int(plan.seq_len), images
     text = plan.text_tokens or (32 if str(cfg.model.source) == "tiny" else 512)

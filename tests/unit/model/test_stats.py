@@ -162,6 +162,10 @@ def test_the_sequence_planned_per_sample():
     assert sequence(packed, stats) == (4096, 4096 // (512 + 16))
     assert sequence(with_plan(packed, images_per_sample=2, text_tokens=100), stats) == (4096, 2 * (4096 // 132))
     assert sequence(with_plan(packed, text_tokens=8000), stats) == (4096, 1)  # one record fills the row
+    # A video: data.video.max_frames frames, each planned as an image (as it trains).
+    video = dataclasses.replace(pretrained.data, video=dataclasses.replace(pretrained.data.video, max_frames=8))
+    clips = with_plan(dataclasses.replace(pretrained, data=video), images_per_sample=1, videos_per_sample=2)
+    assert sequence(clips, stats) == (512 + 17 * 16, 17)
 
 
 def test_the_fewest_tokens_an_image_takes():
