@@ -396,3 +396,12 @@ def paired_ratios(a: list[dict[str, float]], b: list[dict[str, float]], key: str
     Neighbouring runs share the machine's state of the moment (it drifts between levels several % apart),
     so the ratio of each pair, then their median, is steadier than the ratio of the two medians."""
     return [x[key] / y[key] for x, y in zip(a, b, strict=False)]
+
+
+def print_markdown_table(rows: list[dict[str, Any]]) -> None:
+    """Rows of one shape (their first row's keys) as a Markdown table, as BENCHMARKS.md records them."""
+    keys = list(rows[0])
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for row in rows:
+        print("| " + " | ".join(str(row[key]) for key in keys) + " |")

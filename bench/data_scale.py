@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _common import print_markdown_table
 from PIL import Image, ImageFilter
 
 from launcher.data.cache import CachedCollator, CachedDataset, Part, RecordEncoder, ensure_cache
@@ -153,11 +154,7 @@ def main() -> None:
                     row[f"samples_per_s_{workers}_workers"] = round(read_rate(path, processor, workers), 1)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-    keys = list(rows[0])
-    print("| " + " | ".join(keys) + " |")
-    print("|" + "---|" * len(keys))
-    for row in rows:
-        print("| " + " | ".join(str(row[k]) for k in keys) + " |")
+    print_markdown_table(rows)
 
 
 if __name__ == "__main__":

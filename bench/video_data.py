@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _common import print_markdown_table
 
 from launcher.data.cache import RecordEncoder, ensure_cache
 from launcher.data.formats import ReadOptions, read_records
@@ -106,11 +107,7 @@ def main() -> None:
         ]
         if args.large:
             rows.append(measure("224 px, 64 frames", root / "large", args.large, 224, 64, 8, large_processor))
-    keys = list(rows[0])
-    print("| " + " | ".join(keys) + " |")
-    print("|" + "---|" * len(keys))
-    for row in rows:
-        print("| " + " | ".join(str(row[key]) for key in keys) + " |")
+    print_markdown_table(rows)
 
 
 if __name__ == "__main__":

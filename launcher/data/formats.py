@@ -461,9 +461,13 @@ def _typed_messages(raw: dict, where: str) -> tuple[list[dict], list[Any], list[
     turns = raw.get("messages")
     if not isinstance(turns, list) or not turns:
         raise BadRecordError(f"{where}: 'messages' must be a non-empty list (messages format)")
-    listed = iter(_image_list(raw, where, "images", "image"))  # for image parts that name no image
-    listed_videos = iter(_video_list(raw, where, "videos", "video"))
-    messages, images, videos = [], [], []
+    # For image (video) parts that name no file.
+    listed = {
+        "image": iter(_image_list(raw, where, "images", "image")),
+        "video": iter(_video_list(raw, where, "videos", "video")),
+    }
+    found: dict[str, list[Any]] = {"image": [], "video": []}
+    messages = []
     for turn in turns:
         if not isinstance(turn, dict):
             raise BadRecordError(f"{where}: every message must be an object with 'role' and 'content'")
@@ -485,22 +489,15 @@ def _typed_messages(raw: dict, where: str) -> tuple[list[dict], list[Any], list[
                         )
                 if text.strip():  # an answer as written; a prompt's text without the spaces around it
                     parts.append({"type": "text", "text": text if role == "assistant" else text.strip()})
-            elif kind in ("image", "image_url"):
-                source = _part_image(part)
-                if source is None:
-                    source = next(listed, None)
+            elif kind in ("image", "image_url", "video", "video_url"):
+                media = kind.removesuffix("_url")
+                source = _part_image(part, media)
+                if source is None:  # the next of the record's list
+                    source = next(listed[media], None)
                     if source is None:
-                        raise BadRecordError(f"{where}: more image parts than images in 'images'")
-                parts.append({"type": "image"})
-                images.append(source)
-            elif kind in ("video", "video_url"):
-                source = _part_image(part, "video")
-                if source is None:
-                    source = next(listed_videos, None)
-                    if source is None:
-                        raise BadRecordError(f"{where}: more video parts than videos in 'videos'")
-                parts.append({"type": "video"})
-                videos.append(source)
+                        raise BadRecordError(f"{where}: more {media} parts than {media}s in '{media}s'")
+                parts.append({"type": media})
+                found[media].append(source)
             elif kind in ("audio", "audio_url", "input_audio"):
                 raise BadRecordError(f"{where}: a {kind} part: only text, image and video parts train here")
             else:
@@ -509,11 +506,10 @@ def _typed_messages(raw: dict, where: str) -> tuple[list[dict], list[Any], list[
                     "part"
                 )
         messages.append({"role": role, "content": parts})
-    if next(listed, None) is not None:
-        raise BadRecordError(f"{where}: 'images' lists more images than the messages have image parts")
-    if next(listed_videos, None) is not None:
-        raise BadRecordError(f"{where}: 'videos' lists more videos than the messages have video parts")
-    return messages, images, videos
+    for media, left in listed.items():
+        if next(left, None) is not None:
+            raise BadRecordError(f"{where}: '{media}s' lists more {media}s than the messages have {media} parts")
+    return messages, found["image"], found["video"]
 
 
 def _chat(raw: dict, where: str) -> tuple[list[dict], list[Any], list[Any]]:
