@@ -122,6 +122,17 @@ def test_a_length_in_epochs_alone_is_in_range():
         (["plan.gpu_memory_gb=0"], "plan.gpu_memory_gb=0.0 must be a positive number of GiB"),
         (["plan.seq_len=0"], "plan.seq_len=0 must be positive"),
         (["loss.chunk_tokens=-1"], "loss.chunk_tokens=-1 must be"),
+        (["data.video.fps=0"], "data.video.fps=0.0 must be a positive number of frames per second"),
+        (["data.video.fps=inf"], "data.video.fps=inf must be a positive number of frames per second"),
+        (["data.video.min_frames=0"], "data.video.min_frames=0 must be positive"),
+        (["data.video.max_frames=0"], "data.video.max_frames=0 must be a positive number of frames per video"),
+        (
+            ["data.video.min_frames=9", "data.video.max_frames=8"],
+            "data.video.min_frames=9 is over data.video.max_frames=8",
+        ),
+        (["data.video.max_pixels=10"], "data.video.max_pixels=10 must be at least 64"),
+        (["data.video.max_seconds=0"], "data.video.max_seconds=0.0 must be a positive length, or null"),
+        (["plan.videos_per_sample=-1"], "plan.videos_per_sample=-1 must be at least 0"),
     ],
 )
 def test_bad_values_of_the_job_are_refused_naming_the_key(overrides, message):
