@@ -22,6 +22,10 @@ FILES = {"summary.md", "env.txt", "ops.txt", "pytest.txt", "presets.jsonl", "log
 # clearly fallen below its first (5.82 -> 5.56). The first step's learning rate is 0 (warm-up), and the
 # second and third steps' losses are within the batches' noise of it.
 TRAIN_STEPS = 4
+# The GPU suite's tests that a CPU rehearses differently from the rest of this suite: ZeRO-3 (partitioned,
+# the stage the others' ZeRO-0-2 runs share their path with), DeepSpeed's cpu_adam, QLoRA at ZeRO-3 (its
+# ZeRO-2 twin fails or passes alike on a CPU). The suite's other CPU-runnable tests add ~60 s and no path.
+GPU_SUITE_REHEARSED = "-m gpu -k 'z3-bf16 or cpu_adam or qlora_trains_and_exports and z3'"
 
 
 def check(out, *args: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -42,7 +46,9 @@ def steps_of(summary: str) -> dict[str, str]:
 
 def test_the_cpu_mode_runs_every_step_and_writes_its_seven_files(isolated_env, tmp_path):
     out = tmp_path / "out"
-    result = check(out, "--train-steps", str(TRAIN_STEPS), env=isolated_env, timeout=900)
+    result = check(
+        out, "--train-steps", str(TRAIN_STEPS), "--pytest-args", GPU_SUITE_REHEARSED, env=isolated_env, timeout=900
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert {path.name for path in out.iterdir()} == FILES  # the device tool brings back 8 files at most
     summary = (out / "summary.md").read_text()
@@ -66,8 +72,8 @@ def test_the_cpu_mode_runs_every_step_and_writes_its_seven_files(isolated_env, t
     ended = {v["test"].split("::")[-1]: v["outcome"] for v in verdicts if v["outcome"] != "started"}
     assert ended["test_every_zero_stage_trains_with_its_memory_metrics[z3-bf16]"] == "passed", ended
     assert ended["test_qlora_trains_and_exports[z3]"] == "passed", ended
-    assert ended["test_every_zero_stage_trains_with_its_memory_metrics[z3-fp16]"] == "skipped"  # CUDA only
-    assert "failed" not in ended.values() and "## GPU tests (" in summary
+    assert ended["test_an_offloaded_optimizer_uses_deepspeeds_cpu_adam"] == "passed", ended
+    assert "failed" not in ended.values() and "## GPU tests (3 passed)" in summary
     presets = [json.loads(line) for line in (out / "presets.jsonl").read_text().splitlines()]
     assert [row["preset"] for row in presets] == ["z0"]
     assert all(row["status"] == "ok" and row["samples_per_sec"] > 0 for row in presets), presets
