@@ -73,7 +73,7 @@ from launcher.core.manifest import damage, fingerprint
 from launcher.core.signals import pause_for_test
 from launcher.data.collate import Collator, add_dummy_image, nothing_fits
 from launcher.data.formats import BadRecordError, open_image, skipped_entry
-from launcher.data.index import Records
+from launcher.data.index import Records, holds_videos
 from launcher.data.length import LengthLimit, RecordTooLong, fit_to_length, one_row, pad_rows, unchanged
 from launcher.data.records import ConversationDataset
 from launcher.data.video import VideoSampling, decode_frames
@@ -164,13 +164,17 @@ def _image_identity(image: str | bytes) -> Any:
     return [image, stat.st_size, stat.st_mtime_ns]
 
 
-def image_storage(setting: str, processor: Any, sample: Sequence[dict], records: int) -> str:
+def image_storage(
+    setting: str, processor: Any, sample: Sequence[dict], records: int, videos: bool | None = None
+) -> str:
     """How a split of `records` records like `sample`'s keeps its images: `setting` (data.cache_images),
     with auto made pixels when the image processor's output has a bound (a fixed size, or a max_pixels)
-    whose total over the split's images stays within PIXELS_BUDGET_BYTES, encoded otherwise."""
+    whose total over the split's images stays within PIXELS_BUDGET_BYTES, encoded otherwise; encoded
+    whenever the split has a video (`videos`: whether any of its records has one, looked up over the whole
+    split by `holds_videos`; None: from the sample), as a video's frames stay in its file."""
     if setting != "auto":
         return setting
-    if any(record.get("videos") for record in sample):  # a video's frames stay in its file, never decoded on disk
+    if videos if videos is not None else any(record.get("videos") for record in sample):
         return "encoded"
     per_image = pixel_bytes_bound(processor.image_processor)
     images_per_record = sum(len(record.get("images") or ()) for record in sample) / max(1, len(sample))
@@ -430,7 +434,7 @@ def ensure_job_cache(
     """The cache of one split of a job's records, as a job with this `data` config and `model` (its
     resolved path) keys and builds it: the job itself, and `python -m launcher.prepare` before it."""
     sample = [records[index] for index in range(min(len(records), 1000))]
-    images = image_storage(str(data.cache_images), processor, sample, len(records))
+    images = image_storage(str(data.cache_images), processor, sample, len(records), videos=holds_videos(records))
     video = VideoSampling.of(data.video)
     return ensure_cache(
         cache / "data_cache",

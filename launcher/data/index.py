@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from launcher.core.children import helper_process
 from launcher.core.manifest import damage, fingerprint
@@ -93,6 +94,17 @@ class RecordTable(Sequence):
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_table": None}
+
+
+def holds_videos(records: Sequence[dict]) -> bool:
+    """Whether any of `records` has a video: an indexed file's from its videos column alone (milliseconds at
+    a million records, no record read), a list's by looking at each."""
+    if isinstance(records, Records):
+        return any(holds_videos(part) for part in records.parts)
+    if isinstance(records, RecordTable):
+        most = pc.max(pc.list_value_length(records.table.column("videos"))).as_py()
+        return bool(most)  # None when the file has no records
+    return any(record.get("videos") for record in records)
 
 
 class Records(Sequence):

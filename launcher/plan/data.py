@@ -10,7 +10,7 @@ from launcher.config.schema import Config
 from launcher.core.errors import LauncherError
 from launcher.data.cache import RecordEncoder, built_cache, cache_key, image_storage
 from launcher.data.estimate import DataCost, cache_cost, index_cost
-from launcher.data.index import Records, RecordTable, file_identity, index_table
+from launcher.data.index import Records, RecordTable, file_identity, holds_videos, index_table
 from launcher.data.length import LengthLimit
 from launcher.data.records import INDEX_DIR, Source, data_sources
 from launcher.data.stream import stream_files
@@ -46,15 +46,16 @@ def data_lines(cfg: Config, model_path: str) -> list[str]:
 def _cache(cfg: Config, source: Source, index: DataCost, encode: RecordEncoder | None, model_path: str) -> DataCost:
     """The split's data cache: built (when the index is, its key can be computed), or estimated."""
     data, cache = cfg.data, cache_dir(cfg)
-    sample = index.sample
+    sample, videos = index.sample, None
     if index.built:
         identity = file_identity(source.path) or []  # a local file: index_cost found its index
         table = RecordTable(index_table(identity, source.options, cache / INDEX_DIR))
         sample = [table[i] for i in range(min(len(table), 1000))]
+        videos = holds_videos(table)
     records = int(index.records or 0)
     images = str(data.cache_images)
     if encode is not None:  # data.cache_images=auto decided as the job decides it (launcher.data.cache)
-        images = image_storage(images, encode.processor, sample or [], records)
+        images = image_storage(images, encode.processor, sample or [], records, videos=videos)
         encode = RecordEncoder(encode.processor, encode.limit, images)
     if index.built and encode is not None:
         key = cache_key(Records([table]), encode.processor, model_path, encode.limit, encode.images)

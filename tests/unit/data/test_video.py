@@ -109,6 +109,30 @@ def test_image_records_hold_no_videos_key_and_the_record_index_keeps_both(tmp_pa
     assert [dict(record) for record in indexed] == read_back
 
 
+def test_a_split_whose_only_video_comes_after_the_sample_is_still_cached_encoded(tmp_path, clip):
+    """data.cache_images=auto decides from a sample of the first 1,000 records, but a video anywhere in the
+    split keeps it encoded (its frames are never decoded onto disk): looked up in the index's videos column."""
+    from launcher.data.cache import image_storage
+    from launcher.data.index import Records, holds_videos
+
+    write_image(tmp_path / "a.png")
+    image = {"image": "a.png", "conversations": [{"from": "human", "value": "<image>x"}, {"from": "gpt", "value": "y"}]}
+    video = {
+        "video": clip.name,
+        "conversations": [{"from": "human", "value": "<video>x"}, {"from": "gpt", "value": "y"}],
+    }
+    for rows, expected in (([image] * 1500, False), ([image] * 1500 + [video], True)):
+        path = write_rows(tmp_path / f"data{len(rows)}.jsonl", rows)
+        indexed, _, _ = indexed_records(str(path), ReadOptions(), tmp_path / "index")
+        records = Records([indexed])
+        assert holds_videos(records) is expected and holds_videos(list(records)) is expected
+        sample = [records[i] for i in range(1000)]
+        assert not any(record.get("videos") for record in sample)
+        bounded = type("Bounded", (), {"image_processor": type("P", (), {"size": {"height": 32, "width": 32}})()})()
+        storage = image_storage("auto", bounded, sample, len(records), videos=holds_videos(records))
+        assert storage == ("encoded" if expected else "pixels")
+
+
 def test_a_parquet_video_column_of_paths_or_bytes_reads(tmp_path, clip):
     datasets = pytest.importorskip("datasets")
     rows = {
