@@ -4,11 +4,19 @@ and the data cache (bytes per record against the source file's, its build time p
 
     python bench/video_data.py                      # 1,000 and 10,000 clips of 32 px, 200 of 224 px
     python bench/video_data.py --small 1000 --large 100
+    python bench/video_data.py --wait               # the data-wait share of training with 0, 2, 4 workers
 
 Clips: the built-in motion task's (32 x 32, 8 frames, 2 s; 4 frames sampled at data.video's default 2 per
 second) and larger ones (224 x 224, 64 frames at 8 per second, 8 s; 16 frames sampled). The processor is the
 tiny LLaVA's (CLIP, 32 px) for the first and a LLaVA-1.5-shaped one (CLIP at 336 px, 576 tokens a frame) for
 the second. Prints one table; each figure is this process's CPU seconds and the wall time beside it.
+
+--wait trains the built-in motion task (`python train.py data.task=motion`, the tiny LLaVA, micro batch 32,
+its videos decoded from the data cache's files each step) with data.num_workers 0, 2 and 4, and the image
+question (`data.task=shape`, its images cached as pixels) with 0 for comparison: the share of each step spent
+waiting for the batch (perf/data_wait_frac, median over the steps after the first 10), the step's wall time
+and the run's summary samples/s. The tiny model's step is short, so the wait shows as it would beside the
+fastest model step. (bench/data_wait.py: the same share for 336 px images.)
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import print_markdown_table
+from _common import bench_env, print_markdown_table, read_metrics, run_train_py
 
 from launcher.data.cache import RecordEncoder, ensure_cache
 from launcher.data.formats import ReadOptions, read_records
@@ -88,11 +96,40 @@ def measure(name: str, root: Path, count: int, size: int, frames: int, fps: int,
     }
 
 
+WAIT_STEPS, WAIT_SKIP = 60, 10
+
+
+def data_wait(root: Path) -> list[dict]:
+    """The data-wait share of `python train.py` steps on the motion task with 0, 2, 4 workers, and on the image
+    question with 0."""
+    rows = []
+    for task, workers in (("shape", 0), ("motion", 0), ("motion", 2), ("motion", 4)):
+        ran = run_train_py(
+            root / f"{task}-w{workers}", WAIT_STEPS, [f"data.task={task}", f"data.num_workers={workers}"],
+            env=bench_env(),
+        )  # fmt: skip
+        waits = [m["perf/data_wait_frac"] for m in read_metrics(root / f"{task}-w{workers}")][WAIT_SKIP:]
+        rows.append({
+            "task": task,
+            "workers": workers,
+            "data wait (median)": f"{np.median(waits):.1%}",
+            "data wait (max)": f"{max(waits):.1%}",
+            "step s (median)": f"{np.median(ran['step_times'][WAIT_SKIP:]):.3f}",
+            "samples/s": f"{ran['summary']['samples_per_sec']:.0f}",
+        })  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", type=int, nargs="+", default=[1000, 10000], help="32 px clips per run")
     parser.add_argument("--large", type=int, default=200, help="224 px clips")
+    parser.add_argument("--wait", action="store_true", help="the data-wait share in training, 0/2/4 workers")
     args = parser.parse_args()
+    if args.wait:
+        with tempfile.TemporaryDirectory() as tmp:
+            print_markdown_table(data_wait(Path(tmp)))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         tiny = dict(hidden_size=64, num_layers=1, vision_hidden_size=32, vision_layers=1)
