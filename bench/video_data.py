@@ -5,6 +5,7 @@ and the data cache (bytes per record against the source file's, its build time p
     python bench/video_data.py                      # 1,000 and 10,000 clips of 32 px, 200 of 224 px
     python bench/video_data.py --small 1000 --large 100
     python bench/video_data.py --wait               # the data-wait share of training with 0, 2, 4 workers
+    python bench/video_data.py --startup 1000 10000 # a new job's start-up on that many video records
 
 Clips: the built-in motion task's (32 x 32, 8 frames, 2 s; 4 frames sampled at data.video's default 2 per
 second) and larger ones (224 x 224, 64 frames at 8 per second, 8 s; 16 frames sampled). The processor is the
@@ -17,18 +18,25 @@ question (`data.task=shape`, its images cached as pixels) with 0 for comparison:
 waiting for the batch (perf/data_wait_frac, median over the steps after the first 10), the step's wall time
 and the run's summary samples/s. The tiny model's step is short, so the wait shows as it would beside the
 fastest model step. (bench/data_wait.py: the same share for 336 px images.)
+
+--startup N...: a first `python train.py` of one step on N records of 32 px clips (data=llava_json, the tiny
+LLaVA, an empty cache): the seconds from the command to its end; the launcher's before the rank starts
+(imports, the record index with each video's header checked, the tiny model's build and the checks); the
+rank's data cache build and the rest of the rank (summary.json: imports, DeepSpeed, the step).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-from _common import bench_env, print_markdown_table, read_metrics, run_train_py
+from _common import QUIET_JOB, ROOT, bench_env, print_markdown_table, read_metrics, run_train_py
 
 from launcher.data.cache import RecordEncoder, ensure_cache
 from launcher.data.formats import ReadOptions, read_records
@@ -120,12 +128,37 @@ def data_wait(root: Path) -> list[dict]:
     return rows
 
 
+def startup(root: Path, count: int) -> dict:
+    """A new job's first start on `count` video records: one step, nothing cached."""
+    data = clips(root, count, 32, 8, MOTION_FPS)
+    env = {**bench_env(), "VLM_LAUNCHER_CACHE": str(root / "cache")}
+    command = [sys.executable, "train.py", "data=llava_json", f"data.path={data}", "train.max_steps=1", *QUIET_JOB,
+               f"hydra.run.dir={root / 'run'}"]  # fmt: skip
+    wall = time.perf_counter()
+    subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True, text=True)
+    wall = time.perf_counter() - wall
+    summary = json.loads((root / "run" / "summary.json").read_text())
+    cache, rank = summary["data_cache"]["build_s"], summary["wall_s"]  # the rank's wall time holds the build
+    return {
+        "video records": f"{count:,}",
+        "first job, 1 step (s)": f"{wall:.1f}",
+        "launcher, before the rank (s)": f"{wall - rank:.1f}",
+        "rank: data cache build (s)": f"{cache:.1f}",
+        "rank: the rest (s)": f"{rank - cache:.1f}",
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", type=int, nargs="+", default=[1000, 10000], help="32 px clips per run")
     parser.add_argument("--large", type=int, default=200, help="224 px clips")
     parser.add_argument("--wait", action="store_true", help="the data-wait share in training, 0/2/4 workers")
+    parser.add_argument("--startup", type=int, nargs="+", help="a first job's start-up on this many video records")
     args = parser.parse_args()
+    if args.startup:
+        with tempfile.TemporaryDirectory() as tmp:
+            print_markdown_table([startup(Path(tmp) / str(count), count) for count in args.startup])
+        return
     if args.wait:
         with tempfile.TemporaryDirectory() as tmp:
             print_markdown_table(data_wait(Path(tmp)))
