@@ -174,7 +174,9 @@ def image_storage(
     split by `holds_videos`; None: from the sample), as a video's frames stay in its file."""
     if setting != "auto":
         return setting
-    if videos if videos is not None else any(record.get("videos") for record in sample):
+    if videos is None:
+        videos = any(record.get("videos") for record in sample)
+    if videos:  # a video's frames stay in its file, never decoded on disk
         return "encoded"
     per_image = pixel_bytes_bound(processor.image_processor)
     images_per_record = sum(len(record.get("images") or ()) for record in sample) / max(1, len(sample))
