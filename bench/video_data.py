@@ -29,14 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-from _common import QUIET_JOB, ROOT, bench_env, print_markdown_table, read_metrics, run_train_py
+from _common import bench_env, print_markdown_table, read_metrics, run_train_py
 
 from launcher.data.cache import RecordEncoder, ensure_cache
 from launcher.data.formats import ReadOptions, read_records
@@ -132,12 +130,9 @@ def startup(root: Path, count: int) -> dict:
     """A new job's first start on `count` video records: one step, nothing cached."""
     data = clips(root, count, 32, 8, MOTION_FPS)
     env = {**bench_env(), "VLM_LAUNCHER_CACHE": str(root / "cache")}
-    command = [sys.executable, "train.py", "data=llava_json", f"data.path={data}", "train.max_steps=1", *QUIET_JOB,
-               f"hydra.run.dir={root / 'run'}"]  # fmt: skip
     wall = time.perf_counter()
-    subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True, text=True)
+    summary = run_train_py(root / "run", 1, ["data=llava_json", f"data.path={data}"], env=env)["summary"]
     wall = time.perf_counter() - wall
-    summary = json.loads((root / "run" / "summary.json").read_text())
     cache, rank = summary["data_cache"]["build_s"], summary["wall_s"]  # the rank's wall time holds the build
     return {
         "video records": f"{count:,}",

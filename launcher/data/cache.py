@@ -164,18 +164,14 @@ def _image_identity(image: str | bytes) -> Any:
     return [image, stat.st_size, stat.st_mtime_ns]
 
 
-def image_storage(
-    setting: str, processor: Any, sample: Sequence[dict], records: int, videos: bool | None = None
-) -> str:
+def image_storage(setting: str, processor: Any, sample: Sequence[dict], records: int, *, videos: bool) -> str:
     """How a split of `records` records like `sample`'s keeps its images: `setting` (data.cache_images),
     with auto made pixels when the image processor's output has a bound (a fixed size, or a max_pixels)
     whose total over the split's images stays within PIXELS_BUDGET_BYTES, encoded otherwise; encoded
-    whenever the split has a video (`videos`: whether any of its records has one, looked up over the whole
-    split by `holds_videos`; None: from the sample), as a video's frames stay in its file."""
+    whenever the split has a video (`videos`: `holds_videos` of the whole split), as a video's frames stay in
+    its file."""
     if setting != "auto":
         return setting
-    if videos is None:
-        videos = any(record.get("videos") for record in sample)
     if videos:  # a video's frames stay in its file, never decoded on disk
         return "encoded"
     per_image = pixel_bytes_bound(processor.image_processor)

@@ -46,7 +46,8 @@ def data_lines(cfg: Config, model_path: str) -> list[str]:
 def _cache(cfg: Config, source: Source, index: DataCost, encode: RecordEncoder | None, model_path: str) -> DataCost:
     """The split's data cache: built (when the index is, its key can be computed), or estimated."""
     data, cache = cfg.data, cache_dir(cfg)
-    sample, videos = index.sample, None
+    sample = index.sample or []
+    videos = holds_videos(sample)  # of the records read so far; the whole split's where it is indexed
     if index.built:
         identity = file_identity(source.path) or []  # a local file: index_cost found its index
         table = RecordTable(index_table(identity, source.options, cache / INDEX_DIR))
@@ -55,7 +56,7 @@ def _cache(cfg: Config, source: Source, index: DataCost, encode: RecordEncoder |
     records = int(index.records or 0)
     images = str(data.cache_images)
     if encode is not None:  # data.cache_images=auto decided as the job decides it (launcher.data.cache)
-        images = image_storage(images, encode.processor, sample or [], records, videos=videos)
+        images = image_storage(images, encode.processor, sample, records, videos=videos)
         encode = RecordEncoder(encode.processor, encode.limit, images)
     if index.built and encode is not None:
         key = cache_key(Records([table]), encode.processor, model_path, encode.limit, encode.images)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -308,8 +309,6 @@ def modality_split_records(root: Path) -> Path:
 
 def write_colour_clips(root: Path) -> list[str]:
     """A 2 s clip of each colour, brightening frame by frame (4 frames sampled of 8)."""
-    import numpy as np
-
     names = []
     for colour, rgb in COLOURS.items():
         frames = [np.full((32, 40, 3), [min(255, c + 4 * t) for c in rgb], dtype=np.uint8) for t in range(8)]

@@ -394,12 +394,12 @@ def test_auto_keeps_pixels_while_a_splits_pixel_values_surely_fit_and_encoded_im
     assert cache_module.pixel_bytes_bound(image_processor) == per_image
     images_per_record = sum(len(r["images"]) for r in mixed_records) / len(mixed_records)
     fits = int(cache_module.PIXELS_BUDGET_BYTES / (per_image * images_per_record))
-    assert cache_module.image_storage("auto", processor, mixed_records, fits) == "pixels"
-    assert cache_module.image_storage("auto", processor, mixed_records, fits + 1) == "encoded"
-    assert cache_module.image_storage("encoded", processor, mixed_records, 1) == "encoded"  # as given
-    assert cache_module.image_storage("pixels", processor, mixed_records, 10**9) == "pixels"
+    assert cache_module.image_storage("auto", processor, mixed_records, fits, videos=False) == "pixels"
+    assert cache_module.image_storage("auto", processor, mixed_records, fits + 1, videos=False) == "encoded"
+    assert cache_module.image_storage("encoded", processor, mixed_records, 1, videos=False) == "encoded"  # as given
+    assert cache_module.image_storage("pixels", processor, mixed_records, 10**9, videos=False) == "pixels"
     text_only = [r for r in mixed_records if not r["images"]]
-    assert cache_module.image_storage("auto", processor, text_only, 10**9) == "pixels"  # no image to keep
+    assert cache_module.image_storage("auto", processor, text_only, 10**9, videos=False) == "pixels"  # no image to keep
 
     unbounded = type("Unbounded", (), {"size": {"shortest_edge": 224}})()  # nothing in its config bounds it
     assert cache_module.pixel_bytes_bound(unbounded) is None

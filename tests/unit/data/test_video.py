@@ -109,7 +109,7 @@ def test_image_records_hold_no_videos_key_and_the_record_index_keeps_both(tmp_pa
     assert [dict(record) for record in indexed] == read_back
 
 
-def test_a_split_whose_only_video_comes_after_the_sample_is_still_cached_encoded(tmp_path, clip):
+def test_a_split_whose_only_video_comes_after_the_sample_is_still_cached_encoded(tmp_path, clip, model_and_processor):
     """data.cache_images=auto decides from a sample of the first 1,000 records, but a video anywhere in the
     split keeps it encoded (its frames are never decoded onto disk): looked up in the index's videos column."""
     from launcher.data.cache import image_storage
@@ -128,8 +128,7 @@ def test_a_split_whose_only_video_comes_after_the_sample_is_still_cached_encoded
         assert holds_videos(records) is expected and holds_videos(list(records)) is expected
         sample = [records[i] for i in range(1000)]
         assert not any(record.get("videos") for record in sample)
-        bounded = type("Bounded", (), {"image_processor": type("P", (), {"size": {"height": 32, "width": 32}})()})()
-        storage = image_storage("auto", bounded, sample, len(records), videos=holds_videos(records))
+        storage = image_storage("auto", model_and_processor[1], sample, len(records), videos=holds_videos(records))
         assert storage == ("encoded" if expected else "pixels")
 
 
