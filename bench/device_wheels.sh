@@ -5,6 +5,7 @@
 #   bash bench/device_wheels.sh                  # about 25 s; the first run also makes the build venv (~1 min)
 #   WITH_WANDB=1 bash bench/device_wheels.sh     # + wandb and its needs (+21.8 MB, see below)
 #   WITH_BNB=0 bash bench/device_wheels.sh       # without bitsandbytes (QLoRA GPU tests then skip)
+#   WITH_AV=1 WITH_BNB=0 bash bench/device_wheels.sh   # + PyAV, for the video rows (bench/gpu_run.py --phases video16 video64)
 #
 # Then carry it: the device tool's `carry: [".whl"]`, and on the machine `bash bench/device_install.sh
 # /tmp/site` (the only install step; bench/device_dry_run.sh rehearses it here in a clean Python 3.12).
@@ -56,6 +57,10 @@
 #    (`wheel unpack`/`wheel pack`, RECORD regenerated) with only libbitsandbytes_cpu.so and
 #    libbitsandbytes_cuda130.so, the one it loads for torch.version.cuda 13.0 (3.6 MB). WITH_BNB=0
 #    leaves it out.
+#  - av 18.1.0 (PyAV, FFmpeg inside: the launcher's video decoder): its abi3 wheel is 35.8 MB. With it and
+#    without bitsandbytes .whl is ~64.0 MB, under a call's 67.1 MB with the 1.3 MB tree, barely: so it
+#    travels only when asked (WITH_AV=1 WITH_BNB=0), for the video rows' call. The image has no video
+#    decoder (torchvision 0.26 reads video through PyAV too).
 #  - flash-attn: PyPI has its sdist only (no wheel); it compiles its CUDA kernels against torch, far too
 #    long for a lent machine's minutes. tests/gpu/test_cuda.py's flash-attention case skips without it.
 set -euo pipefail
@@ -65,6 +70,7 @@ PY312=${PY312:-/root/.pyenv/versions/3.12.1/bin/python3}   # a clean CPython 3.1
 BUILD_VENV=${BUILD_VENV:-/tmp/vlm-wheel-build-py312}        # torch 2.11.0 (CUDA build) for DeepSpeed's records
 WITH_WANDB=${WITH_WANDB:-0}
 WITH_BNB=${WITH_BNB:-1}
+WITH_AV=${WITH_AV:-0}
 BNB_CUDA=130                                               # the image's torch.version.cuda, 13.0
 
 # Binary wheels from PyPI, pinned to the project's venv.
@@ -82,12 +88,14 @@ WANDB=(wandb==0.31.0 cwevals==0.0.1b1 distro==1.9.0 sniffio==1.3.1 platformdirs=
        opentelemetry-semantic-conventions==0.66b2 opentelemetry-exporter-http-transport==0.66b2
        opentelemetry-exporter-otlp-common==0.66b2 googleapis-common-protos==1.76.0)
 BNB=(bitsandbytes==0.50.2)
+AV=(av==18.1.0)
 # Source-only on PyPI: built below.
 SDISTS=(antlr4-python3-runtime==4.9.3 deepspeed==0.19.8)
 
 WANT=("${CORE[@]}" "${PLUGINS[@]}")
 [[ $WITH_WANDB == 1 ]] && WANT+=("${WANDB[@]}")
 [[ $WITH_BNB == 1 ]] && WANT+=("${BNB[@]}")
+[[ $WITH_AV == 1 ]] && WANT+=("${AV[@]}")
 
 WORK=$(mktemp -d /tmp/device-wheels.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT

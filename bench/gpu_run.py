@@ -21,6 +21,12 @@ is less than it needs:
             step goes, by part (launcher/train/profile.py), as OUT/profile.md.
   lora7b    Qwen2.5-VL-7B (8,292,166,656 parameters) LoRA, packed 16,384, checkpointing, micro batch 1.
   z3_7b     Qwen2.5-VL-7B full at ZeRO 3, packed 16,384, checkpointing, micro batch 1.
+  video16   Qwen2-VL-2B on video records (issue 43): one clip each, 16 frames of 448 x 448 sampled (4 per
+            second of a 4 s clip), taken as a video (8 temporal patches of two frames: 2,048 tokens), a
+            200-word answer; micro batches 1, 2, 4, padded, ZeRO 0, decoded by 4 DataLoader workers.
+  video64   the same with 64 frames (a 16 s clip: 8,192 video tokens), micro batch 1, checkpointing.
+            Not in the default list: `--phases video16 video64` in a call of their own, whose .whl was
+            made with WITH_AV=1 (PyAV decodes the clips; the image has no video decoder).
 
 Every model trains every part (model.freeze_vision=false), as the plain loop does, so the rows do the same
 work. The launcher's rows are `python -m launcher.tune` candidates (each one train.py job, stopped once its
@@ -110,7 +116,16 @@ def gpu_phases() -> list[Phase]:
               overrides=(*seven_b, "method=lora", *space("z0", "1", "true", "pack", 16384, 16384, 4))),
         Phase("z3_7b", 90, qwen25, QWEN2_5_VL_7B,
               overrides=(*seven_b, *space("z3", "1", "true", "pack", 16384, 16384, 4))),
+        Phase("video16", 90, qwen2, QWEN2_VL_2B, data="video16",
+              overrides=(*two_b, *VIDEO_LOADING, *space("z0", "1,2,4", "false", "pad", None, 2560, 4))),
+        Phase("video64", 90, qwen2, QWEN2_VL_2B, data="video64",
+              overrides=(*two_b, *VIDEO_LOADING, *space("z0", "1", "true", "pad", None, 8704, 1))),
     ]  # fmt: skip
+
+
+# Video phases only when asked for (--phases): their call carries PyAV (bench/device_wheels.sh WITH_AV=1).
+ASKED_ONLY = ("video16", "video64")
+VIDEO_LOADING = ("data.num_workers=4",)
 
 
 def cpu_phases(small: dict[str, Path]) -> list[Phase]:
@@ -132,6 +147,8 @@ def cpu_phases(small: dict[str, Path]) -> list[Phase]:
         Phase("profile", 10, qwen2, small["qwen2_vl"]),
         Phase("lora7b", 10, qwen25, small["qwen2_5_vl"], method="lora",
               overrides=(*seven_b, "method=lora", *space("z0", "1", "false", "pack", 2048, 2048, 1))),
+        Phase("video16", 10, qwen2, small["qwen2_vl"], data="video4x224",
+              overrides=(*two_b, *space("z0", "1", "false", "pad", None, 2560, 1))),
     ]  # fmt: skip
 
 
@@ -157,9 +174,14 @@ def shrunk_config(config_path: Path, out: Path) -> Path:
 def write_data(out: Path, kind: str, records: int, image_side: int = 448) -> list[str]:
     """A llava-format set of `records` records, one image each (a few distinct JPEGs of image_side px),
     the question short and the answer long: fixed (900 words: every record longer than 1,024 tokens, cut
-    to it) or variable (20 to 1,800 words). Written once; the train.py overrides that read it."""
+    to it) or variable (20 to 1,800 words); or videoF / videoFxSIDE (`write_videos`: F frames of SIDE px,
+    default image_side). Written once; the train.py
+    overrides that read it."""
     from PIL import Image
 
+    if kind.startswith("video"):  # videoF, or videoFxSIDE
+        frames, _, side = kind.removeprefix("video").partition("x")
+        return write_videos(out, int(frames), records, int(side or image_side))
     path = out / f"{kind}.json"
     images = out / "images"
     if not path.is_file():
@@ -179,6 +201,37 @@ def write_data(out: Path, kind: str, records: int, image_side: int = 448) -> lis
         tmp.write_text(json.dumps(rows))
         tmp.rename(path)
     return ["data=llava_json", f"data.path={path}", f"data.image_root={images}"]
+
+
+def write_videos(out: Path, frames: int, records: int, side: int) -> list[str]:
+    """`records` records of one clip each (8 distinct mp4 clips of `frames` frames of side x side at 4 per
+    second: noise drifting frame by frame, so the encoder keeps every frame), a short question, a 200-word
+    answer; and the overrides that sample every frame of each, at most side x side pixels, and plan a video
+    (no image) per record."""
+    import numpy as np
+
+    from launcher.data.video import write_video
+
+    path, clips = out / f"video{frames}_{side}.json", out / f"clips{frames}_{side}"
+    if not path.is_file():
+        rng = random.Random(0)
+        clips.mkdir(parents=True, exist_ok=True)
+        for index in range(8):
+            base = np.random.default_rng(index).integers(0, 256, (side // 8, side // 8, 3), dtype=np.uint8)
+            shown = [np.kron(np.roll(base, step, axis=1), np.ones((8, 8, 1), np.uint8)) for step in range(frames)]
+            write_video(clips / f"{index}.mp4", shown, fps=4)
+        rows = []
+        for index in range(records):
+            answer = " ".join(rng.choice(WORDS) for _ in range(200))
+            turns = [{"from": "human", "value": "<video>\ndescribe it"}, {"from": "gpt", "value": answer}]
+            rows.append({"id": str(index), "video": f"{index % 8}.mp4", "conversations": turns})
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rows))
+        tmp.rename(path)
+    sampled = ["data.video.fps=4", f"data.video.min_frames={frames}", f"data.video.max_frames={frames}",
+               f"data.video.max_pixels={side * side}", "plan.images_per_sample=0",
+               "plan.videos_per_sample=1"]  # fmt: skip
+    return ["data=llava_json", f"data.path={path}", f"data.image_root={clips}", *sampled]
 
 
 # ================================================================================ rows
@@ -525,6 +578,8 @@ def main() -> int:
         if unknown:
             raise SystemExit(f"gpu_run: no phase {unknown}; the phases: {[p.name for p in phases]}")
         phases = [p for p in phases if p.name in args.phases]
+    else:
+        phases = [p for p in phases if p.name not in ASKED_ONLY]
 
     def stop(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt(signal.Signals(signum).name)

@@ -6,6 +6,7 @@ and the data cache (bytes per record against the source file's, its build time p
     python bench/video_data.py --small 1000 --large 100
     python bench/video_data.py --wait               # the data-wait share of training with 0, 2, 4 workers
     python bench/video_data.py --startup 1000 10000 # a new job's start-up on that many video records
+    python bench/video_data.py --learn tiny_qwen2_vl tiny_llava --seeds 0 1 2   # the motion task learned?
 
 Clips: the built-in motion task's (32 x 32, 8 frames, 2 s; 4 frames sampled at data.video's default 2 per
 second) and larger ones (224 x 224, 64 frames at 8 per second, 8 s; 16 frames sampled). The processor is the
@@ -23,18 +24,24 @@ fastest model step. (bench/data_wait.py: the same share for 336 px images.)
 LLaVA, an empty cache): the seconds from the command to its end; the launcher's before the rank starts
 (imports, the record index with each video's header checked, the tiny model's build and the checks); the
 rank's data cache build and the rest of the rank (summary.json: imports, DeepSpeed, the step).
+
+--learn ARCH... --seeds S...: the plain `python train.py data.task=motion model=ARCH train.seed=S` (1,000 steps,
+an evaluation every 250), each in a cache of its own: its held-out exact match at each evaluation, and its
+wall time from the command to its end (the tiny model's build and the data's generation and cache included).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-from _common import bench_env, print_markdown_table, read_metrics, run_train_py
+from _common import ROOT, bench_env, print_markdown_table, read_metrics, run_train_py
 
 from launcher.data.cache import RecordEncoder, ensure_cache
 from launcher.data.formats import ReadOptions, read_records
@@ -143,13 +150,44 @@ def startup(root: Path, count: int) -> dict:
     }
 
 
+def learn(root: Path, arch: str, seed: int) -> dict:
+    """One plain run of the built-in motion task: held-out exact match at each evaluation."""
+    run_dir = root / f"{arch}-{seed}"
+    env = {**bench_env(), "VLM_LAUNCHER_CACHE": str(root / f"cache-{arch}-{seed}")}
+    command = [sys.executable, "train.py", "data.task=motion", f"model={arch}", f"train.seed={seed}", "logger=none",
+               f"hydra.run.dir={run_dir}"]  # fmt: skip
+    wall = time.perf_counter()
+    subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True, timeout=3600)
+    wall = time.perf_counter() - wall
+    evals = [m for m in read_metrics(run_dir) if "eval/accuracy" in m]
+    return {
+        "model": arch,
+        "seed": seed,
+        "held-out exact match at steps " + ", ".join(str(m["step"]) for m in evals): " / ".join(
+            f"{m['eval/accuracy']:.3f}" for m in evals
+        ),
+        "wall (s)": f"{wall:.0f}",
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", type=int, nargs="+", default=[1000, 10000], help="32 px clips per run")
     parser.add_argument("--large", type=int, default=200, help="224 px clips")
     parser.add_argument("--wait", action="store_true", help="the data-wait share in training, 0/2/4 workers")
     parser.add_argument("--startup", type=int, nargs="+", help="a first job's start-up on this many video records")
+    parser.add_argument("--learn", nargs="+", help="train the motion task on these tiny models (--seeds)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     args = parser.parse_args()
+    if args.learn:
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = []
+            for arch in args.learn:
+                for seed in args.seeds:
+                    rows.append(learn(Path(tmp), arch, seed))
+                    print(rows[-1], flush=True)
+            print_markdown_table(rows)
+        return
     if args.startup:
         with tempfile.TemporaryDirectory() as tmp:
             print_markdown_table([startup(Path(tmp) / str(count), count) for count in args.startup])

@@ -344,8 +344,9 @@ class DataConfig:
     # data.cache (the lengths come from it) and train.max_steps.
     packing: bool = False
     pack_length: int | None = None  # tokens per packed row; null: data.max_length
-    # Every batch runs the vision tower (a dummy image where a batch has none), so that ranks whose
-    # batches differ in modality cannot hang ZeRO-3's collectives. null: on at ZeRO-3 with several ranks.
+    # Every batch runs the vision tower (a dummy image where a batch has none; and a dummy video where the
+    # data has videos a Qwen2-VL-family model takes as videos), so that ranks whose batches differ in
+    # modality cannot hang ZeRO-3's collectives. null: on at ZeRO-3 with several ranks.
     modality_guard: bool | None = None
     num_workers: int = MISSING  # DataLoader worker processes (0: decode images in the training process)
     # Exact-match accuracy of greedy generation on the eval split (meaningful for short answers).

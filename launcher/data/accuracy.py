@@ -15,7 +15,14 @@ def normalize_answer(text: str) -> str:
 
 @torch.no_grad()
 def exact_match_accuracy(
-    model, processor, dataset_or_loader, *, max_new_tokens: int, synced_gpus: bool = False, batch_size: int = 32
+    model,
+    processor,
+    dataset_or_loader,
+    *,
+    max_new_tokens: int,
+    synced_gpus: bool = False,
+    video_every_batch: bool = False,
+    batch_size: int = 32,
 ) -> tuple[int, int]:
     """Greedy-generate an answer for each sample and count exact matches; return (correct, total).
 
@@ -25,7 +32,7 @@ def exact_match_accuracy(
     """
     loader = dataset_or_loader
     if isinstance(dataset_or_loader, Dataset):
-        collate = PromptCollator(processor, image_every_batch=synced_gpus)
+        collate = PromptCollator(processor, image_every_batch=synced_gpus, video_every_batch=video_every_batch)
         loader = DataLoader(dataset_or_loader, batch_size=batch_size, collate_fn=collate)
     tokenizer = processor.tokenizer
     was_training = model.training

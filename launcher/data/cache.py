@@ -71,21 +71,21 @@ from launcher.core.disk import free_space
 from launcher.core.errors import Interrupted, LauncherError, TrainingFailed
 from launcher.core.manifest import damage, fingerprint
 from launcher.core.signals import pause_for_test
-from launcher.data.collate import Collator, add_dummy_image, nothing_fits
+from launcher.data.collate import Collator, add_dummy_media, nothing_fits
 from launcher.data.formats import BadRecordError, open_image, skipped_entry
 from launcher.data.index import Records, holds_videos
 from launcher.data.length import LengthLimit, RecordTooLong, fit_to_length, one_row, pad_rows, unchanged
 from launcher.data.records import ConversationDataset
-from launcher.data.video import VideoSampling, decode_frames
+from launcher.data.video import VideoSampling, decode_frames, video_pixels
 
 log = logging.getLogger("launcher")
 
-# 8: videos (their files' bytes, the frames kept of each) and data.video in the key; 7: answers kept as
-# written (no longer stripped: code keeps its indentation); 6: 64-bit integer tensors
-# stored in 32 bits (NARROWED); 5: which records it holds in arrays (records.npz, ids.arrow), not in
-# meta.json; 4: images kept encoded (data.cache_images), shards built by every rank; 3: data.max_length
-# in the key
-CACHE_VERSION = 8
+# 9: the Qwen2-VL family takes videos as videos (video_grid_thw; stored whole); 8: videos (their files'
+# bytes, the frames kept of each) and data.video in the key; 7: answers kept as written (no longer
+# stripped: code keeps its indentation); 6: 64-bit integer tensors stored in 32 bits (NARROWED); 5: which
+# records it holds in arrays (records.npz, ids.arrow), not in meta.json; 4: images kept encoded
+# (data.cache_images), shards built by every rank; 3: data.max_length in the key
+CACHE_VERSION = 9
 META_FILE = "meta.json"
 RECORDS_FILE = "records.npz"
 IDS_FILE = "ids.arrow"
@@ -215,20 +215,27 @@ class RecordEncoder:
 
     def __call__(self, sample: dict, sources: list[str | bytes] | None = None) -> tuple[dict[str, torch.Tensor], bool]:
         tensors, cut = fit_to_length(one_row(self.collate.labelled([sample])), self.limit, self.processor)
-        if self.images == "encoded" and "pixel_values" in tensors:
-            kept = _images_kept(tensors)
+        pixels = [name for name in ("pixel_values", "pixel_values_videos") if name in tensors]
+        if self.images == "encoded" and pixels:
             media = sample.get("media")
-            stored = encoded_media(media, kept=kept) if media else encoded_images(sources or [], kept=kept)
-            tensors = {**tensors, **stored}
-            del tensors["pixel_values"]
+            if not media:
+                stored = encoded_images(sources or [], kept=_held(tensors, "image_grid_thw", "pixel_values"))
+            elif "video_grid_thw" in tensors:  # videos as videos: every image and video kept whole, in order
+                kept = _held(tensors, "image_grid_thw", "pixel_values") + len(tensors["video_grid_thw"])
+                stored = encoded_media(media, kept=kept, whole_videos=True)
+            else:  # videos as their frames: the first `kept` pictures
+                stored = encoded_media(media, kept=_held(tensors, "image_grid_thw", "pixel_values"))
+            tensors = {name: value for name, value in tensors.items() if name not in pixels}
+            tensors.update(stored)
         return tensors, cut
 
 
-def _images_kept(tensors: dict[str, torch.Tensor]) -> int:
-    """How many of a sample's images its (possibly cut) tensors hold: one grid row per image (Qwen2-VL),
+def _held(tensors: dict[str, torch.Tensor], grid: str, pixels: str) -> int:
+    """How many images a sample's (possibly cut) tensors hold: one grid row per image (the Qwen2-VL family),
     else one pixel_values row per image (LLaVA)."""
-    grid = tensors.get("image_grid_thw")
-    return len(grid) if grid is not None else len(tensors["pixel_values"])
+    if grid in tensors:
+        return len(tensors[grid])
+    return len(tensors[pixels]) if pixels in tensors else 0
 
 
 def encoded_images(sources: list[str | bytes], *, kept: int) -> dict[str, torch.Tensor]:
@@ -241,16 +248,19 @@ def encoded_images(sources: list[str | bytes], *, kept: int) -> dict[str, torch.
     }
 
 
-def encoded_media(media: list[tuple[str | bytes, int]], *, kept: int) -> dict[str, torch.Tensor]:
+def encoded_media(
+    media: list[tuple[str | bytes, int]], *, kept: int, whole_videos: bool = False
+) -> dict[str, torch.Tensor]:
     """The files of a record's images and videos (source, frames; 0 frames: an image) whose pictures are among
-    the first `kept`, back to back, each one's length, and the frames kept of each video (0 for an image)."""
+    the first `kept`, back to back, each one's length, and the frames kept of each video (0 for an image).
+    `whole_videos` (a model that takes videos as videos): a video counts as one picture, its frames all kept."""
     files, frames_kept = [], []
     for source, frames in media:
         if kept <= 0:
             break
-        pictures = max(frames, 1)
+        pictures = 1 if whole_videos else max(frames, 1)
         files.append(source)
-        frames_kept.append(min(frames, kept) if frames else 0)
+        frames_kept.append(frames if whole_videos else min(frames, kept))
         kept -= pictures
     return {
         **encoded_images(files, kept=len(files)),
@@ -790,6 +800,7 @@ class CachedDataset(Dataset):
         self.encoded = IMAGE_BYTES in meta["layout"]
         if self.encoded and processor is None:
             raise LauncherError(f"{self.path}: its images are encoded; reading it needs the processor")
+        self.processor = processor if self.encoded else None
         self.image_processor = processor.image_processor if self.encoded else None
         self.video = VideoSampling(**meta.get("video", {}))  # how the build sampled its videos' frames
         self._layout = {name: (dtype, tuple(shape)) for name, (dtype, shape) in meta["layout"].items()}
@@ -863,15 +874,21 @@ class CachedDataset(Dataset):
         if not lengths:
             return tensors
         frames = frames or [0] * len(lengths)  # a record of images alone stores no frame counts
+        as_videos = len(tensors.get("video_grid_thw", ())) > 0  # a model that takes videos as videos
         ends = np.cumsum(lengths).tolist()
-        images = []
+        images, videos = [], []
         for end, length, kept in zip(ends, lengths, frames, strict=True):
             stored = blob[end - length : end]
-            if kept:
+            if kept and as_videos:
+                videos.append(decode_frames(stored, self.video)[:kept])
+            elif kept:
                 images += decode_frames(stored, self.video)[:kept]
             else:
                 images.append(open_image(stored, record_id))
-        tensors["pixel_values"] = self.image_processor(images, return_tensors="pt")["pixel_values"]
+        if images:
+            tensors["pixel_values"] = self.image_processor(images, return_tensors="pt")["pixel_values"]
+        if videos:
+            tensors.update(video_pixels(self.processor, videos))
         return tensors
 
     def __getstate__(self) -> dict:  # workers open their own maps
@@ -881,13 +898,14 @@ class CachedDataset(Dataset):
 class CachedCollator:
     """Cached records -> the batch `Collator` makes from the same records (right-padded, labels)."""
 
-    def __init__(self, processor: Any, *, image_every_batch: bool = False):
+    def __init__(self, processor: Any, *, image_every_batch: bool = False, video_every_batch: bool = False):
         self.processor = processor
         self.pad_token_id = processor.tokenizer.pad_token_id
         self.image_every_batch = image_every_batch
+        self.video_every_batch = video_every_batch
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
         batch = pad_rows([sample["tensors"] for sample in samples], self.pad_token_id)
-        if self.image_every_batch and "pixel_values" not in batch:
-            batch = add_dummy_image(self.processor, batch, padding_side="right")
-        return batch
+        return add_dummy_media(
+            self.processor, batch, "right", image=self.image_every_batch, video=self.video_every_batch
+        )

@@ -21,7 +21,7 @@ from launcher.core.errors import LauncherError
 from launcher.data.formats import BadRecordError
 from launcher.data.length import IGNORE_INDEX, LengthLimit, RecordTooLong, fit_to_length, one_row, pad_rows, unchanged
 from launcher.data.records import ConversationDataset
-from launcher.data.video import VideoSampling
+from launcher.data.video import VideoSampling, as_model_takes
 
 
 def _render(processor, messages: list[dict], *, add_generation_prompt: bool) -> str:
@@ -70,21 +70,32 @@ class Collator:
     """Samples -> a batch for `model(**batch)`: right-padded, with `labels` on assistant tokens only.
 
     The batch holds exactly what the processor returns for the model (input_ids, attention_mask,
-    pixel_values, and for Qwen2-VL image_grid_thw and mm_token_type_ids) plus `labels`. For tokens/s
+    pixel_values, and for Qwen2-VL image_grid_thw, mm_token_type_ids and a video's pixel_values_videos and
+    video_grid_thw) plus `labels`. A sample's videos go in as the model takes them
+    (launcher.data.video.as_model_takes). For tokens/s
     count non-pad tokens as `int(batch["attention_mask"].sum())`.
 
     `image_every_batch`: a batch without images gets a dummy one (see `add_dummy_image`), so that the
     vision tower runs on every batch: under ZeRO-3 with several ranks every rank must gather the same
-    parameters in the same order, or the collectives wait forever.
+    parameters in the same order, or the collectives wait forever. `video_every_batch`: likewise a dummy
+    video, for a model that takes videos as videos (its tower runs once more for them).
 
     `limit` (data.max_length): a batch with a longer sample is made again from each sample cut alone
     (`fit_to_length`) and padded as `CachedCollator` pads, so it is the batch the data cache gives.
     Samples that cannot be cut are found before training (`fit_records`); meeting one here is an error.
     """
 
-    def __init__(self, processor, *, image_every_batch: bool = False, limit: LengthLimit | None = None):
+    def __init__(
+        self,
+        processor,
+        *,
+        image_every_batch: bool = False,
+        video_every_batch: bool = False,
+        limit: LengthLimit | None = None,
+    ):
         self.processor = processor
         self.image_every_batch = image_every_batch
+        self.video_every_batch = video_every_batch
         self.limit = limit or LengthLimit()
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
@@ -98,15 +109,16 @@ class Collator:
                 except RecordTooLong as error:
                     raise RecordTooLong(f"{sample.get('where', sample['id'])}: {error}") from None
             batch = pad_rows(rows, self.processor.tokenizer.pad_token_id)
-        if self.image_every_batch and "pixel_values" not in batch:
-            batch = add_dummy_image(self.processor, batch, padding_side="right")
-        return batch
+        return add_dummy_media(
+            self.processor, batch, "right", image=self.image_every_batch, video=self.video_every_batch
+        )
 
     def labelled(self, samples: list[dict]) -> dict[str, torch.Tensor]:
         """The processor's batch of the samples, whole, with `labels`."""
+        samples = [as_model_takes(sample, self.processor) for sample in samples]
         rendered = [render_with_assistant_spans(self.processor, sample["messages"]) for sample in samples]
         texts, spans = [text for text, _ in rendered], [spans for _, spans in rendered]
-        batch = _encode(self.processor, texts, [s["images"] for s in samples], padding_side="right")
+        batch = _encode(self.processor, texts, samples, padding_side="right")
         offsets = batch.pop("offset_mapping")
         replacements = batch.pop("text_replacement_offsets")
         token_start, token_end = offsets[..., 0], offsets[..., 1]
@@ -115,27 +127,53 @@ class Collator:
             for start, end in _expanded_spans(row_spans, row_replacements):
                 # Tokens overlapping the span; zero-width entries (padding, an added bos) never do.
                 supervised[row] |= (token_start[row] < end) & (token_end[row] > start)
-        batch = dict(batch)
         batch["labels"] = batch["input_ids"].masked_fill(~supervised, IGNORE_INDEX)
         return batch
 
 
-def _encode(processor, texts: list[str], images: list[list], *, padding_side: str):
+def _encode(processor, texts: list[str], samples: list[dict], *, padding_side: str, offsets: bool = True) -> dict:
+    """The processor's batch of rendered texts with the samples' images, and their videos for a model that
+    takes videos as videos (launcher.data.video.as_model_takes); with the token offsets and the text
+    replacements made (`offsets`), which locate the assistant's tokens."""
+    images = [sample["images"] for sample in samples]
+    videos = [frames for sample in samples for frames in sample.get("videos", ())]
+    asked = {"return_offsets_mapping": True, "return_text_replacement_offsets": True} if offsets else {}
     batch = processor(
         text=texts,
         images=images if any(images) else None,
+        videos=videos or None,
         padding=True,
         padding_side=padding_side,
         return_tensors="pt",
-        return_offsets_mapping=True,
-        return_text_replacement_offsets=True,
+        **asked,
     )
-    if "offset_mapping" not in batch or "text_replacement_offsets" not in batch:
+    if offsets and ("offset_mapping" not in batch or "text_replacement_offsets" not in batch):
         raise LauncherError(
             f"{type(processor).__name__} does not report token offsets (it needs a fast tokenizer), "
             "so assistant tokens cannot be labelled"
         )
+    return dict(batch)
+
+
+def add_dummy_media(
+    processor, batch: dict[str, torch.Tensor], padding_side: str, *, image: bool, video: bool = False
+) -> dict[str, torch.Tensor]:
+    """The batch with a blank image added where it has none (`image`), and a blank video where it has none
+    (`video`): the ZeRO-3 modality guard (see `add_dummy_image`)."""
+    if image and "pixel_values" not in batch:
+        batch = _with_blank(processor, batch, padding_side, video=False)
+    if video and "pixel_values_videos" not in batch:
+        batch = _with_blank(processor, batch, padding_side, video=True)
     return batch
+
+
+def blank_media(processor, *, video: bool = False) -> dict[str, torch.Tensor]:
+    """The processor's one-row batch of a blank 32 x 32 image alone, or of a blank video of two such frames."""
+    blank = Image.new("RGB", (32, 32))
+    if not video:
+        return dict(processor(text=[processor.image_token], images=[blank], return_tensors="pt"))
+    sample = {"images": [], "videos": [[blank, blank]]}
+    return _encode(processor, [processor.video_token], [sample], padding_side="right", offsets=False)
 
 
 def add_dummy_image(processor, batch: dict[str, torch.Tensor], *, padding_side: str) -> dict[str, torch.Tensor]:
@@ -144,8 +182,13 @@ def add_dummy_image(processor, batch: dict[str, torch.Tensor], *, padding_side: 
     The image's tokens go after the padding (right-padded batches) or before it (left-padded) with
     attention mask 0 and label IGNORE_INDEX: no real token attends to them, no loss is taken on them,
     so the loss, and every gradient, is what it was (the vision tower's gradient from them is zero),
-    while the forward runs the vision tower as for any batch with images."""
-    dummy = processor(text=[processor.image_token], images=[Image.new("RGB", (32, 32))], return_tensors="pt")
+    while the forward runs the vision tower as for any batch with images. A blank video goes in alike
+    (`add_dummy_media`)."""
+    return _with_blank(processor, batch, padding_side, video=False)
+
+
+def _with_blank(processor, batch: dict[str, torch.Tensor], padding_side: str, *, video: bool) -> dict:
+    dummy = blank_media(processor, video=video)
     width, rows = dummy["input_ids"].shape[1], batch["input_ids"].shape[0]
     fills = {"input_ids": processor.tokenizer.pad_token_id, "attention_mask": 0, "labels": IGNORE_INDEX}
     out = dict(batch)
@@ -157,13 +200,13 @@ def add_dummy_image(processor, batch: dict[str, torch.Tensor], *, padding_side: 
             extra[0] = dummy[key][0]
         out[key] = torch.cat([value, extra] if padding_side == "right" else [extra, value], dim=1)
     for key, value in dummy.items():
-        if key not in batch:  # pixel_values, image_grid_thw
+        if key not in batch:  # pixel_values, image_grid_thw (pixel_values_videos, video_grid_thw)
             out[key] = value
     return out
 
 
 def _expanded_spans(spans: list[tuple[int, int]], replacements: list[dict]) -> list[tuple[int, int]]:
-    """Move character spans of the rendered text to the text with image placeholders expanded."""
+    """Move character spans of the rendered text to the text with image and video placeholders expanded."""
     placeholder_ends = [r["span"][1] for r in replacements]
     # Characters gained by all expansions up to and including the k-th placeholder.
     gained = [0] + [r["new_span"][1] - r["span"][1] for r in replacements]
@@ -177,25 +220,25 @@ class PromptCollator:
     reference is that turn's text. `image_every_batch` as for `Collator`.
     """
 
-    def __init__(self, processor, *, image_every_batch: bool = False):
+    def __init__(self, processor, *, image_every_batch: bool = False, video_every_batch: bool = False):
         self.processor = processor
         self.image_every_batch = image_every_batch
+        self.video_every_batch = video_every_batch
 
     def __call__(self, samples: list[dict]) -> tuple[dict[str, torch.Tensor], list[str]]:
-        texts, answers = [], []
+        texts, answers, prompts = [], [], []
         for sample in samples:
+            sample = as_model_takes(sample, self.processor)
             messages = sample["messages"]
             last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
             texts.append(_render(self.processor, messages[:last], add_generation_prompt=True))
             answers.append(" ".join(p["text"] for p in messages[last]["content"] if p["type"] == "text"))
-        images = [s["images"] for s in samples]
-        encoded = self.processor(
-            text=texts, images=images if any(images) else None, padding=True, padding_side="left", return_tensors="pt"
+            prompts.append(sample)
+        batch = _encode(self.processor, texts, prompts, padding_side="left", offsets=False)
+        guarded = add_dummy_media(
+            self.processor, batch, "left", image=self.image_every_batch, video=self.video_every_batch
         )
-        batch = dict(encoded)
-        if self.image_every_batch and "pixel_values" not in batch:
-            batch = add_dummy_image(self.processor, batch, padding_side="left")
-        return batch, answers
+        return guarded, answers
 
 
 # Records estimated at least this far under the limit are not encoded before training (`fit_records`).

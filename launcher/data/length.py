@@ -56,10 +56,10 @@ def fit_to_length(row: dict[str, torch.Tensor], limit: LengthLimit, processor) -
 
     truncate: the sample ends at its last answer token within the limit, so the prompt before the first
     answer stays whole and the answer side is cut from the end (later turns first). An image whose
-    tokens would lie past the cut goes whole, with its pixels: the model checks that image tokens and
-    image features agree. At least MIN_ANSWER_TOKENS answer tokens (or the whole answer) must remain,
-    else RecordTooLong. skip: RecordTooLong for any longer sample. The reason says nothing of where the
-    record is; callers add that."""
+    tokens would lie past the cut goes whole, with its pixels (a video likewise): the model checks that
+    image tokens and image features agree. At least MIN_ANSWER_TOKENS answer tokens (or the whole answer)
+    must remain, else RecordTooLong. skip: RecordTooLong for any longer sample. The reason says nothing of
+    where the record is; callers add that."""
     length, longest = len(row["input_ids"]), limit.max_length
     if longest is None or length <= longest:
         return row, False
@@ -73,39 +73,67 @@ def fit_to_length(row: dict[str, torch.Tensor], limit: LengthLimit, processor) -
         fix = "raise data.max_length or shorten the prompt"
         if "image_grid_thw" in row:  # Qwen2-VL: an image's tokens follow its pixels
             fix += " (or lower model.max_pixels: fewer tokens per image)"
+        if "video_grid_thw" in row:  # a video taken as a video: its tokens follow its frames
+            fix += " (or sample fewer or smaller frames: data.video.max_frames, data.video.max_pixels)"
         raise RecordTooLong(
             f"{length:,} tokens, over data.max_length={longest}, and {before:,} of them (prompt and images) come "
             f"before the answer: no room for {wanted} answer tokens; {fix}"
         )
     end = int(kept[-1]) + 1
-    per_image = _tokens_per_image(row, processor)
-    held = int((row["input_ids"][:end] == processor.image_token_id).sum())
-    images = total = 0
-    while images < len(per_image) and total + per_image[images] <= held:
-        total, images = total + per_image[images], images + 1
-    if total != held:  # a cut ends on an answer token, so never inside an image's tokens
-        raise RecordTooLong(f"{length:,} tokens, over data.max_length={longest}: cannot be cut between its images")
-    grid = row.get("image_grid_thw")
-    out = {}
-    for key, value in row.items():
-        if key in TOKEN_KEYS:
-            out[key] = value[:end]
-        elif key == "pixel_values" and grid is not None:  # Qwen2-VL: rows of patches, per image t*h*w
-            out[key] = value[: int(grid[:images].prod(-1).sum())]
-        else:  # a row per image: pixel_values (LLaVA), image_grid_thw
-            out[key] = value[:images]
+    out = {key: value[:end] for key, value in row.items() if key in TOKEN_KEYS}
+    for kind in _KINDS:
+        if kind.grid in row or kind.pixels in row:
+            out.update(_kept_whole(row, end, kind, processor, f"{length:,} tokens, over data.max_length={longest}"))
     return out, True
 
 
-def _tokens_per_image(row: dict[str, torch.Tensor], processor) -> list[int]:
-    """Language-model tokens of each image of a sample, in order."""
-    grid = row.get("image_grid_thw")
-    if grid is not None:  # Qwen2-VL: merge x merge patches make one token
+@dataclass(frozen=True)
+class _Kind:
+    """Where a kind of media keeps its tokens and pixels in a sample's tensors."""
+
+    name: str  # what the reasons call them
+    token: str  # the processor's attribute naming its token id
+    grid: str  # its (t, h, w) rows, one per image or video (the Qwen2-VL family)
+    pixels: str
+
+
+_KINDS = (
+    _Kind("images", "image_token_id", "image_grid_thw", "pixel_values"),
+    _Kind("videos", "video_token_id", "video_grid_thw", "pixel_values_videos"),
+)
+
+
+def _kept_whole(row: dict[str, torch.Tensor], end: int, kind: _Kind, processor, said: str) -> dict[str, torch.Tensor]:
+    """The tensors of the images (or videos) whose tokens all lie before `end`: a cut ends on an answer token,
+    so never inside one's tokens."""
+    token_id = getattr(processor, kind.token)
+    per_item = _tokens_per_item(row, kind, token_id, processor)
+    held = int((row["input_ids"][:end] == token_id).sum())
+    items = total = 0
+    while items < len(per_item) and total + per_item[items] <= held:
+        total, items = total + per_item[items], items + 1
+    if total != held:
+        raise RecordTooLong(f"{said}: cannot be cut between its {kind.name}")
+    grid = row.get(kind.grid)
+    out = {}
+    if grid is not None:  # the Qwen2-VL family: rows of patches, t x h x w per image or video
+        out[kind.grid] = grid[:items]
+        if kind.pixels in row:
+            out[kind.pixels] = row[kind.pixels][: int(grid[:items].prod(-1).sum())]
+    elif kind.pixels in row:  # LLaVA: a row of pixel values per image
+        out[kind.pixels] = row[kind.pixels][:items]
+    return out
+
+
+def _tokens_per_item(row: dict[str, torch.Tensor], kind: _Kind, token_id: int, processor) -> list[int]:
+    """Language-model tokens of each image (or video) of a sample, in order."""
+    grid = row.get(kind.grid)
+    if grid is not None:  # the Qwen2-VL family: merge x merge patches make one token
         merge = int(getattr(processor.image_processor, "merge_size", 1))
         return [int(patches) // merge**2 for patches in grid.prod(-1)]
-    pixels = row.get("pixel_values")
+    pixels = row.get(kind.pixels)
     images = 0 if pixels is None else len(pixels)
-    held = int((row["input_ids"] == processor.image_token_id).sum())
+    held = int((row["input_ids"] == token_id).sum())
     return [held // images] * images if images else []  # LLaVA: every image the same
 
 

@@ -22,14 +22,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 from torch.utils.data import Dataset
 
+from launcher.data.collate import blank_media
 from launcher.data.length import IGNORE_INDEX
 
 PACK_BLOCK = 1000  # records packed together: the plan's window, and what its rows are shuffled within
 RECORD_LENGTHS = "record_lengths"  # a packed batch's tokens per record, per row: read by the step, not the model
 RECORD_IMAGES = "record_images"  # images per record, per row (Qwen2-VL's per-record rotary index needs them)
+RECORD_VIDEOS = "record_videos"  # videos (taken as videos) per record, per row: likewise
 REAL_TOKENS = "real_tokens"  # a packed batch's mask of real (non-padding) tokens: for accounting only
 
 
@@ -77,17 +78,21 @@ class PackedCollator:
     """Rows of cached records ({"tensors"}, as CachedDataset gives them) -> one packed batch: each row's
     records back to back, rows right-padded to the longest; the padding is a sequence of its own (positions
     from 0, no labels). Position ids are left to the step (launcher.model.packing), which needs the model
-    for Qwen2-VL's rotary index: the batch carries each row's record lengths and image counts."""
+    for Qwen2-VL's rotary index: the batch carries each row's record lengths and image and video counts."""
 
-    def __init__(self, processor: Any, *, image_every_batch: bool = False):
+    def __init__(self, processor: Any, *, image_every_batch: bool = False, video_every_batch: bool = False):
         self.processor = processor
         self.pad_token_id = processor.tokenizer.pad_token_id
         self.image_every_batch = image_every_batch
+        self.video_every_batch = video_every_batch
 
     def __call__(self, rows: list[list[dict]]) -> dict[str, Any]:
         records = [[record["tensors"] for record in row] for row in rows]
-        if self.image_every_batch and not any(_images(record) for row in records for record in row):
-            records[0] = [*records[0], self._blank_image()]
+        held = [record for row in records for record in row]
+        if self.image_every_batch and not any(_count(record, *IMAGE_KEYS) for record in held):
+            records[0] = [*records[0], self._blank(video=False)]
+        if self.video_every_batch and not any(_count(record, *VIDEO_KEYS) for record in held):
+            records[0] = [*records[0], self._blank(video=True)]
         joined = [self._joined(row) for row in records]
         width = max(len(row["input_ids"]) for row in joined)
         fills = {"input_ids": self.pad_token_id, "labels": IGNORE_INDEX, "mm_token_type_ids": 0}
@@ -100,24 +105,23 @@ class PackedCollator:
         batch[REAL_TOKENS] = torch.zeros((len(rows), width), dtype=torch.int64)
         for number, row in enumerate(joined):
             batch[REAL_TOKENS][number, : len(row["input_ids"])] = 1
-        for name in ("pixel_values", "image_grid_thw"):
+        for name in MEDIA_KEYS:
             held = [row[name] for row in joined if name in row and len(row[name])]
             if held:
                 batch[name] = torch.cat(held)
         batch[RECORD_LENGTHS] = [row["lengths"] for row in joined]
         batch[RECORD_IMAGES] = [row["images"] for row in joined]
+        batch[RECORD_VIDEOS] = [row["videos"] for row in joined]
         return batch
 
-    def _blank_image(self) -> dict[str, torch.Tensor]:
-        """A record of one blank image and no target, added to a batch without images under the ZeRO-3
-        modality guard: every rank's forward then runs the vision tower. A record of its own, it sees no
-        other and none sees it; it has no labels, so the loss and every gradient are what they were."""
-        blank = self.processor(
-            text=[self.processor.image_token], images=[Image.new("RGB", (32, 32))], return_tensors="pt"
-        )
+    def _blank(self, *, video: bool) -> dict[str, torch.Tensor]:
+        """A record of one blank image (or video) and no target, added to a batch without one under the ZeRO-3
+        modality guard: every rank's forward then runs the vision tower as often. A record of its own, it sees
+        no other and none sees it; it has no labels, so the loss and every gradient are what they were."""
+        blank = blank_media(self.processor, video=video)
         record = {key: value[0] for key, value in blank.items() if key in ("input_ids", "mm_token_type_ids")}
         record["labels"] = torch.full_like(record["input_ids"], IGNORE_INDEX)
-        record.update({key: blank[key] for key in ("pixel_values", "image_grid_thw") if key in blank})
+        record.update({key: blank[key] for key in MEDIA_KEYS if key in blank})
         return record
 
     @staticmethod
@@ -128,18 +132,23 @@ class PackedCollator:
         for name in ("input_ids", "labels", "mm_token_type_ids"):
             if name in records[0]:
                 joined[name] = torch.cat([record[name] for record in records])
-        for name in ("pixel_values", "image_grid_thw"):
+        for name in MEDIA_KEYS:
             held = [record[name] for record in records if name in record and len(record[name])]
             if held:
                 joined[name] = torch.cat(held)
         joined["lengths"] = [len(record["input_ids"]) for record in records]
-        joined["images"] = [_images(record) for record in records]
+        joined["images"] = [_count(record, *IMAGE_KEYS) for record in records]
+        joined["videos"] = [_count(record, *VIDEO_KEYS) for record in records]
         return joined
 
 
-def _images(record: dict[str, torch.Tensor]) -> int:
-    grid = record.get("image_grid_thw")
-    if grid is not None:
-        return len(grid)
-    pixels = record.get("pixel_values")
-    return 0 if pixels is None else len(pixels)
+# A record's tensors of images and videos (grid, pixels), concatenated over a row's records in order.
+IMAGE_KEYS, VIDEO_KEYS = ("image_grid_thw", "pixel_values"), ("video_grid_thw", "pixel_values_videos")
+MEDIA_KEYS = (*IMAGE_KEYS, *VIDEO_KEYS)
+
+
+def _count(record: dict[str, torch.Tensor], grid: str, pixels: str) -> int:
+    """A record's images (or videos): a grid row each (the Qwen2-VL family), else a pixel_values row each."""
+    if grid in record:
+        return len(record[grid])
+    return len(record[pixels]) if pixels in record else 0

@@ -26,7 +26,7 @@ from launcher.data.formats import (
 )
 from launcher.data.index import Records, indexed_records
 from launcher.data.shapes import prepare_data
-from launcher.data.video import BadVideoError, VideoSampling, decode_frames, frames_as_images
+from launcher.data.video import BadVideoError, VideoSampling, decode_frames, media_in_order
 
 INDEX_DIR = "record_index"  # under cache_dir
 
@@ -164,9 +164,10 @@ def _existing_data_path(path: Any, key: str) -> str:
 class ConversationDataset(Dataset):
     """Records -> {"id", "where", "images": RGB PIL images, "messages", "source"}; images decode here, in workers.
 
-    A record's videos are sampled and decoded here too (`video`: data.video), and each becomes its frames,
-    placed as images where the video was (launcher.data.video.frames_as_images); such a sample also holds
-    "media": (source, frames) per image or video, in order, which the data cache stores encoded."""
+    A record's videos are sampled and decoded here too (`video`: data.video): such a sample also holds
+    "videos" (each video's sampled frames, in order) and "media" ((source, frames) per image or video part,
+    in order, which the data cache stores encoded). Its messages keep their video parts: the collator
+    gives them to the model as videos, or as frames placed as images (launcher.data.video.as_model_takes)."""
 
     def __init__(self, records: Sequence[dict], video: VideoSampling | None = None):
         self.records = records
@@ -180,14 +181,14 @@ class ConversationDataset(Dataset):
 
 
 def decode_record(record: dict, video: VideoSampling) -> dict:
-    """One record as training takes it: its images decoded, its videos' sampled frames as images."""
+    """One record as training takes it: its images decoded, its videos' frames sampled and decoded."""
     where = record["where"]
     images = [open_image(image, where) for image in record["images"]]
     sample = {"id": record["id"], "where": where, "images": images, "messages": record["messages"]}
     if record.get("videos"):
-        videos = [(source, _frames(source, where, video)) for source in record["videos"]]
-        paired = list(zip(record["images"], images, strict=True))
-        sample["messages"], sample["images"], sample["media"] = frames_as_images(record["messages"], paired, videos)
+        sample["videos"] = [_frames(source, where, video) for source in record["videos"]]
+        counts = [(source, len(frames)) for source, frames in zip(record["videos"], sample["videos"], strict=True)]
+        sample["media"] = media_in_order(record["messages"], record["images"], counts)
     sample["source"] = record.get("source", 0)
     return sample
 

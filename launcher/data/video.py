@@ -11,6 +11,11 @@ recipes sample), and decoded in a worker (`decode_frames`). The choice depends o
 settings, never on a random draw: a resumed run, another rank, the cache's worker all see the same frames.
 Each frame is resized to at most data.video.max_pixels pixels (keeping its aspect) before the model's
 processor sees it.
+
+The model takes the sampled frames its own way (`as_model_takes`): the Qwen2-VL family as a video (its
+video token, frames paired into temporal patches, `video_grid_thw`: `video_inputs` makes the pixels from
+the image processor where the processor has no video processor of its own), the LLaVA family as images
+placed where the video was (`frames_as_images`).
 """
 
 from __future__ import annotations
@@ -252,33 +257,92 @@ def _container_of(path: Path) -> str:
     )
 
 
-def frames_as_images(
-    messages: list[dict], images: list[tuple[Any, Image.Image]], videos: list[tuple[Any, list[Image.Image]]]
-) -> tuple[list[dict], list[Image.Image], list[tuple[Any, int]]]:
-    """A decoded record as a model that takes images sees its videos: each video part becomes one image part
-    per sampled frame, in place (the frames in time order, nothing pooled: a frame costs an image's tokens).
+# ----------------------------------------------------------------------------- videos as the model takes them
+def takes_videos(processor: Any) -> bool:
+    """Whether the model takes a video as a video (the Qwen2-VL family: a video token its processor expands,
+    frames paired into temporal patches, `video_grid_thw`); otherwise each video's frames go in as images
+    (`frames_as_images`: LLaVA)."""
+    image_processor = getattr(processor, "image_processor", None)
+    return getattr(processor, "video_token", None) is not None and all(
+        hasattr(image_processor, name) for name in ("temporal_patch_size", "merge_size", "patch_size")
+    )
 
-    `images`: (source, decoded image) per image part, in order; `videos`: (source, sampled frames) per video
-    part, in order. Returns the messages, every image and frame in the order of their parts, and (source,
-    frames) per image or video in that order (0 frames: an image), which the data cache stores."""
+
+def video_inputs(image_processor: Any, videos: list[list[Image.Image]]) -> dict[str, Any]:
+    """`pixel_values_videos` and `video_grid_thw` of sampled videos, as the Qwen2-VL family's video processor
+    lays them out, made with the model's image processor (so no torchvision): each frame resized,
+    rescaled and normalised as an image, then `temporal_patch_size` frames in a row stacked into each
+    patch (the last frame repeated to fill the last group, as the video processor does). A video's
+    frames share its size, so one grid (t, h, w) per video; rows (t x h x w, C x T x P x P), in the
+    merged-window order of the image processor's own rows."""
+    import torch  # the pure reading of videos above does not need it
+
+    temporal, patch = int(image_processor.temporal_patch_size), int(image_processor.patch_size)
+    pixels, grids = [], []
+    for frames in videos:
+        frames = list(frames) + [frames[-1]] * (-len(frames) % temporal)
+        out = image_processor(frames, temporal_patch_size=1, return_tensors="pt")
+        rows, frame_grids = out["pixel_values"], out["image_grid_thw"]
+        if len({tuple(grid.tolist()) for grid in frame_grids}) != 1:
+            raise BadVideoError(f"a video's frames come in {len(frame_grids)} sizes: its frames must share one")
+        _, height, width = (int(n) for n in frame_grids[0])
+        steps, channels = len(frames) // temporal, rows.shape[1] // (patch * patch)
+        # (frames, patches, C, P, P) -> (steps, patches, C, temporal, P, P): each patch's frames side by side.
+        grouped = rows.reshape(steps, temporal, height * width, channels, patch, patch).permute(0, 2, 3, 1, 4, 5)
+        pixels.append(grouped.reshape(steps * height * width, channels * temporal * patch * patch))
+        grids.append([steps, height, width])
+    return {"pixel_values_videos": torch.cat(pixels), "video_grid_thw": torch.tensor(grids, dtype=torch.int64)}
+
+
+def video_pixels(processor: Any, videos: list[list[Image.Image]]) -> dict[str, Any]:
+    """The model's pixel tensors of sampled videos: its processor's own video processor where it has one
+    (transformers' need torchvision), frames taken as sampled (no sampling of its own); else `video_inputs`
+    with its image processor."""
+    video_processor = getattr(processor, "video_processor", None)
+    if video_processor is None:
+        return video_inputs(processor.image_processor, videos)
+    out = video_processor(videos=videos, do_sample_frames=False, return_tensors="pt")
+    return {key: out[key] for key in ("pixel_values_videos", "video_grid_thw")}
+
+
+def media_in_order(messages: list[dict], images: list[Any], videos: list[tuple[Any, int]]) -> list[tuple[Any, int]]:
+    """(source, frames) per image or video part of a record, in the order of its parts (0 frames: an image):
+    what the data cache stores of it. `images`: the image sources in order; `videos`: (source, frames
+    sampled) per video in order."""
     image_iter, video_iter = iter(images), iter(videos)
-    out_messages: list[dict] = []
+    kinds = [part["type"] for message in messages for part in message["content"]]
+    return [next(video_iter) if kind == "video" else (next(image_iter), 0) for kind in kinds if kind in MEDIA_PARTS]
+
+
+MEDIA_PARTS = ("image", "video")
+
+
+def frames_as_images(sample: dict) -> dict:
+    """A decoded sample as a model that takes images sees its videos: each video part becomes one image part
+    per sampled frame, in place (the frames in time order, nothing pooled: a frame costs an image's tokens),
+    and `images` holds every image and frame in the order of their parts. A sample without videos, as it is."""
+    if not sample.get("videos"):
+        return sample
+    image_iter, video_iter = iter(sample["images"]), iter(sample["videos"])
+    messages: list[dict] = []
     pictures: list[Image.Image] = []
-    media: list[tuple[Any, int]] = []
-    for message in messages:
+    for message in sample["messages"]:
         content = []
         for part in message["content"]:
             if part["type"] == "video":
-                source, frames = next(video_iter)
+                frames = next(video_iter)
                 content += [{"type": "image"}] * len(frames)
                 pictures += frames
-                media.append((source, len(frames)))
             elif part["type"] == "image":
-                source, picture = next(image_iter)
                 content.append(part)
-                pictures.append(picture)
-                media.append((source, 0))
+                pictures.append(next(image_iter))
             else:
                 content.append(part)
-        out_messages.append({**message, "content": content})
-    return out_messages, pictures, media
+        messages.append({**message, "content": content})
+    return {**{k: v for k, v in sample.items() if k != "videos"}, "messages": messages, "images": pictures}
+
+
+def as_model_takes(sample: dict, processor: Any) -> dict:
+    """The sample as the model takes it: its videos as videos where the model takes them (`takes_videos`),
+    else as their frames placed as images (`frames_as_images`)."""
+    return sample if takes_videos(processor) else frames_as_images(sample)

@@ -71,6 +71,7 @@ class FlopModel:
     class_token: bool = True  # LLaVA's CLIP adds one; the projector drops it under the "default" strategy
     projector_keeps_class: bool = False
     image_token_id: int | None = None  # the placeholder token an image's rows replace in input_ids
+    video_token_id: int | None = None  # a video's, where the model takes videos as videos (Qwen2-VL)
 
     @classmethod
     def of(cls, model: nn.Module) -> FlopModel:
@@ -105,14 +106,17 @@ class FlopModel:
             class_token=not qwen,
             projector_keeps_class=getattr(config, "vision_feature_select_strategy", "default") == "full",
             image_token_id=getattr(config, "image_token_id", None),
+            video_token_id=getattr(config, "video_token_id", None) if qwen else None,
         )
 
     def image_rows(self, batch: dict[str, Any]) -> list[ImageRows]:
-        """Each image's rows in a model batch (pixel_values, and Qwen2-VL's image_grid_thw)."""
+        """Each image's rows in a model batch (pixel_values, and Qwen2-VL's image_grid_thw); a video taken as a
+        video (Qwen2-VL's video_grid_thw) counts as one image per temporal patch, as its tower attends per
+        temporal patch."""
         if self.family == "qwen2_vl":
-            grid = batch.get("image_grid_thw")
-            rows = [] if grid is None else [int(t) * int(h) * int(w) for t, h, w in grid.tolist()]
-            return [ImageRows(r, r // (self.merge * self.merge), r) for r in rows]
+            grids = [batch[key].tolist() for key in ("image_grid_thw", "video_grid_thw") if batch.get(key) is not None]
+            frames = [int(h) * int(w) for grid in grids for t, h, w in grid for _ in range(int(t))]
+            return [ImageRows(r, r // (self.merge * self.merge), r) for r in frames]
         pixels = batch.get("pixel_values")
         if pixels is None:
             return []

@@ -100,6 +100,10 @@ def without_video_processor(processor_class: type) -> type:
         return existing
 
     class ImagesOnly(processor_class):
+        # Not a sub-processor (not in __init__'s signature, so never saved), but present: the processor's call
+        # then hands videos to `_process_videos` below instead of dropping them.
+        video_processor = None
+
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
             # The parent passes video_processor on positionally; ProcessorMixin pairs positional
             # arguments with this class's attributes (image_processor, tokenizer) and drops the extra.
@@ -111,6 +115,18 @@ def without_video_processor(processor_class: type) -> type:
                 chat_template=chat_template,
                 **kwargs,
             )
+
+        def _process_videos(self, videos, **kwargs):
+            # Without a video processor the launcher's own makes the pixels (the image processor's resize and
+            # normalisation, frames paired into temporal patches): the processor still expands the tokens.
+            from launcher.data.video import video_inputs
+
+            processed = video_inputs(self.image_processor, videos)
+            return processed, [self.replace_video_token(processed, video_idx=i) for i in range(len(videos))]
+
+        def replace_video_token(self, video_inputs: dict, video_idx: int, **kwargs) -> str:
+            merge = self.image_processor.merge_size
+            return self.video_token * int(video_inputs["video_grid_thw"][video_idx].prod() // merge**2)
 
     ImagesOnly.__name__ = processor_class.__name__  # written to processor_config.json
     ImagesOnly.__qualname__ = qualname

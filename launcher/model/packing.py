@@ -9,7 +9,7 @@ kernel), and no mask is built at all. The vision tower needs nothing here: trans
 attends per image through its cu_seqlens (a varlen call under flash-attention, one sdpa call per image
 otherwise), LLaVA's CLIP tower takes images as a batch of their own. Qwen2-VL takes 4 x B x S
 position ids: the text positions (from which the mask is built) over its 3-D rotary index (temporal,
-height, width), which is computed here record by record, each from its own tokens and image grids, as
+height, width), which is computed here record by record, each from its own tokens and image and video grids, as
 the model computes it for a record alone: computed over the whole row, the rotary index of a record
 would continue from the records before it (the failure LLaMA-Factory's packing met, LF#10782).
 """
@@ -24,15 +24,16 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from launcher.data.packing import REAL_TOKENS, RECORD_IMAGES, RECORD_LENGTHS
+from launcher.data.packing import REAL_TOKENS, RECORD_IMAGES, RECORD_LENGTHS, RECORD_VIDEOS
 from launcher.model.components import base_model
 
 
 def packed_inputs(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
     """The model's inputs of a packed batch: position ids added, the packing's bookkeeping removed."""
-    inputs = {k: v for k, v in batch.items() if k not in (RECORD_LENGTHS, RECORD_IMAGES, REAL_TOKENS)}
+    inputs = {k: v for k, v in batch.items() if k not in (RECORD_LENGTHS, RECORD_IMAGES, RECORD_VIDEOS, REAL_TOKENS)}
     inputs["use_cache"] = False  # with a key-value cache transformers looks for no packed sequences
     lengths, images = batch[RECORD_LENGTHS], batch[RECORD_IMAGES]
+    videos = batch.get(RECORD_VIDEOS) or [[0] * len(row) for row in lengths]
     rows, width = inputs["input_ids"].shape
     inputs[PACKED_SPANS] = lengths  # read by packed_sdpa_attention (use_packed_attention); others ignore it
     if _text_attention(model) in (PACKED_ATTENTION, PACKED_VARLEN):
@@ -50,20 +51,21 @@ def packed_inputs(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
         inputs["position_ids"] = text.to(inputs["input_ids"].device)
         return inputs
     rotary = text[None].repeat(3, 1, 1)  # text-only records and the padding: the text positions on all three axes
-    grids = inputs.get("image_grid_thw")
-    used = 0  # image grid rows of the records before
-    for row, (row_lengths, row_images) in enumerate(zip(lengths, images, strict=True)):
+    grids, video_grids = inputs.get("image_grid_thw"), inputs.get("video_grid_thw")
+    used = used_videos = 0  # image and video grid rows of the records before
+    for row, (row_lengths, row_images, row_videos) in enumerate(zip(lengths, images, videos, strict=True)):
         start = 0
-        for length, count in zip(row_lengths, row_images, strict=True):
-            if count:
+        for length, count, video_count in zip(row_lengths, row_images, row_videos, strict=True):
+            if count or video_count:
                 span = slice(start, start + length)
                 positions, _ = rotary_index(
                     inputs["input_ids"][row : row + 1, span],
                     mm_token_type_ids=inputs["mm_token_type_ids"][row : row + 1, span],
-                    image_grid_thw=grids[used : used + count],
+                    image_grid_thw=grids[used : used + count] if count else None,
+                    video_grid_thw=video_grids[used_videos : used_videos + video_count] if video_count else None,
                 )
                 rotary[:, row, span] = positions[:, 0].to(rotary.dtype).cpu()
-                used += count
+                used, used_videos = used + count, used_videos + video_count
             start += length
     inputs["position_ids"] = torch.cat([text[None], rotary]).to(inputs["input_ids"].device)
     return inputs

@@ -54,8 +54,9 @@ TINY_ARCHITECTURES = ("tiny_llava", "tiny_qwen2_vl")
 _MARKER = TINY_BUILD_RECORD
 
 
-# Bump when the build recipe changes, so cached builds from an older recipe are rebuilt.
-_RECIPE_VERSION = 1
+# Bump when the build recipe changes, so cached builds from an older recipe are rebuilt. 2: tiny_qwen2_vl
+# pairs frames in its patches (temporal_patch_size 2) and its chat template renders videos.
+_RECIPE_VERSION = 2
 
 
 # LLaVA-1.5 style: "USER: <image>\nwhat is in the image? ASSISTANT: red circle</s>". The generation
@@ -84,6 +85,7 @@ _QWEN2_VL_CHAT_TEMPLATE = (
     "{%- else -%}"
     "{%- for part in message['content'] -%}"
     "{%- if part['type'] == 'image' -%}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif part['type'] == 'video' -%}<|vision_start|><|video_pad|><|vision_end|>"
     "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
     "<|im_end|>{{ '\\n' }}"
@@ -338,8 +340,9 @@ def _build_tiny_qwen2_vl(
         "mlp_ratio": 4,
         "patch_size": patch_size,
         "spatial_merge_size": 2,
-        # Still images only: one frame per patch, so pixel_values are not duplicated in time.
-        "temporal_patch_size": 1,
+        # Two frames per patch, as the released models: a video's frames are paired in each patch (motion is
+        # then a local feature of one patch), and a still image is repeated to fill its two.
+        "temporal_patch_size": 2,
     }
     model = Qwen2VLForConditionalGeneration(_qwen2_vl_config(tokenizer, vision_config, hidden_size, num_layers))
     _set_generation_tokens(model, tokenizer)
@@ -349,7 +352,7 @@ def _build_tiny_qwen2_vl(
         min_pixels=image_size * image_size,
         max_pixels=image_size * image_size,
         patch_size=patch_size,
-        temporal_patch_size=1,
+        temporal_patch_size=2,
         merge_size=2,
     )
     processor = ImagesOnlyQwen2VLProcessor(
@@ -393,14 +396,15 @@ def _write_qwen2_vl_video_config(out_dir: Path, *, image_size: int, patch_size: 
     """Add the video half of a Qwen2-VL processor by hand (building a video processor needs torchvision).
 
     Nested in processor_config.json, as transformers 5 saves it, so that plain
-    `AutoProcessor.from_pretrained` finds it where torchvision is installed; videos are never fed.
+    `AutoProcessor.from_pretrained` finds it where torchvision is installed. The launcher makes a video's
+    pixels itself (launcher.data.video.video_inputs), with the image processor.
     """
     path = out_dir / "processor_config.json"
     processor_config = json.loads(path.read_text())
     processor_config["video_processor"] = {
         "video_processor_type": "Qwen2VLVideoProcessor",
         "patch_size": patch_size,
-        "temporal_patch_size": 1,
+        "temporal_patch_size": 2,
         "merge_size": 2,
         "size": {"shortest_edge": image_size * image_size, "longest_edge": image_size * image_size},
     }

@@ -59,6 +59,7 @@ def evaluate(
             data.accuracy_set,
             max_new_tokens=int(job.config.data.max_new_tokens),
             synced_gpus=engine.zero_stage == 3 and rank.world_size > 1,
+            video_every_batch=data.video_guard,
         )
     correct, total, stop_votes, *reduced = all_reduce_sum([correct, total, float(stop()), *sums.as_list()], device)
     metrics = type(sums)(*reduced).metrics("eval")

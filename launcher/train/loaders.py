@@ -30,7 +30,7 @@ from launcher.core.summary import Summary
 from launcher.data.cache import CachedCollator, CachedDataset, CacheInfo, Part, RecordEncoder, ensure_job_cache
 from launcher.data.collate import Collator, fit_records
 from launcher.data.formats import SkipTally, skipped_entry
-from launcher.data.index import Records
+from launcher.data.index import Records, holds_videos
 from launcher.data.length import LengthLimit, unchanged
 from launcher.data.packing import PackedCollator, PackedRows
 from launcher.data.pairs import PairCollator, PairedRows
@@ -38,7 +38,7 @@ from launcher.data.records import ConversationDataset, LoadedData, Source, read_
 from launcher.data.sampling import LengthGroupedSampler, MixtureSampler, PackedSampler
 from launcher.data.shapes import prepare_data
 from launcher.data.stream import RecordStream, StreamOrder, stream_files, stream_options, streamed_batches
-from launcher.data.video import VideoSampling
+from launcher.data.video import VideoSampling, takes_videos
 from launcher.job.planning import cache_dir
 from launcher.job.spec import Job
 from launcher.model.stats import pack_length
@@ -65,6 +65,7 @@ class Data:
     loaders: list[Any] = field(default_factory=list)  # the DataLoaders whose persistent workers this rank owns
     # Preference pairs (data.pairs): each split's pairs and collator, which a precomputed reference reads.
     pair_sets: dict[str, PairSet] = field(default_factory=dict)
+    video_guard: bool = False  # ZeRO-3's modality guard gives batches a blank video (ModalityGuard)
 
     def start_eval_workers(self) -> None:
         """Fork the evaluation loader's persistent workers now (the loop's start, beside the training
@@ -128,9 +129,10 @@ def build_data(
     what was skipped go into `summary`. `stop()` says whether this rank was asked to stop: a data cache being
     built stops between its shards (launcher.data.cache.Part)."""
     data = job.config.data
-    guard = data.modality_guard
-    if guard is None:
-        guard = zero_stage == 3 and rank.world_size > 1
+    images = data.modality_guard
+    if images is None:
+        images = zero_stage == 3 and rank.world_size > 1
+    guard = ModalityGuard(images, videos=images and _video_guard(processor, loaded, streaming=bool(data.streaming)))
     tally = SkipTally(bad=loaded.skipped, entries=list(loaded.skip_log))
     if data.streaming:
         built, train_cache = _streamed(job, rank, loaded.sources[0], processor, guard, tally), None
@@ -156,11 +158,40 @@ def build_data(
     if data.streaming:
         tally.watch(_stream_skips(rank, run_dir, summary))
         barrier()  # rank 0 has written the file the ranks' streams append to
+    built.video_guard = guard.videos
     return built
 
 
+@dataclass(frozen=True)
+class ModalityGuard:
+    """What the ZeRO-3 modality guard gives a batch that lacks it, so that every rank's forward calls the
+    vision tower as often: a blank image (`images`), a blank video (`videos`: a model that takes videos as
+    videos calls its tower once for a batch's images and once more for its videos)."""
+
+    images: bool
+    videos: bool = False
+
+    def args(self) -> dict[str, bool]:
+        """The collators' arguments."""
+        return {"image_every_batch": self.images, "video_every_batch": self.videos}
+
+
+def _video_guard(processor: Any, loaded: LoadedData, *, streaming: bool) -> bool:
+    """Whether batches need a blank video under the guard: the model takes videos as videos and the data
+    may hold one (a stream's rows are not known before training: it may)."""
+    if not takes_videos(processor):
+        return False
+    return streaming or any(holds_videos(split) for split in (loaded.train, loaded.eval) if split)
+
+
 def _indexed(
-    job: Job, rank: Rank, loaded: LoadedData, processor: Any, guard: bool, tally: SkipTally, stop: Callable[[], bool]
+    job: Job,
+    rank: Rank,
+    loaded: LoadedData,
+    processor: Any,
+    guard: ModalityGuard,
+    tally: SkipTally,
+    stop: Callable[[], bool],
 ) -> tuple[Data, CacheInfo | None]:
     """The training data of records read (and indexed) before training, through the data cache or not."""
     micro = job.micro_batch
@@ -174,7 +205,7 @@ def _indexed(
     require_one_global_batch(len(train_set), micro, rank.world_size)  # decoding and length may drop records
     sampler = _sampler(job, rank, loaded, train_set, sources)
     if job.config.data.packing:  # rows of records (the cache's lengths planned into data.pack_length tokens)
-        train_set, collate = PackedRows(train_set), PackedCollator(processor, image_every_batch=guard)
+        train_set, collate = PackedRows(train_set), PackedCollator(processor, **guard.args())
         if len(sampler) < micro:
             raise LauncherError(
                 f"data: the records pack into {len(sampler)} row(s) of {sampler.budget} tokens per rank, fewer than "
@@ -207,7 +238,7 @@ def _indexed(
     return built, train_cache
 
 
-def _streamed(job: Job, rank: Rank, source: Source, processor: Any, guard: bool, tally: SkipTally) -> Data:
+def _streamed(job: Job, rank: Rank, source: Source, processor: Any, guard: ModalityGuard, tally: SkipTally) -> Data:
     """The training data read from its shard files as training goes (data.streaming: launcher.data.stream)."""
     data, micro, seed = job.config.data, job.micro_batch, int(job.config.train.seed)
     files = tuple(stream_files(source.path))
@@ -226,7 +257,7 @@ def _streamed(job: Job, rank: Rank, source: Source, processor: Any, guard: bool,
     if rank.is_main:
         how = "its own files" if order.by_file else "every file, every world-th row"
         log.info("data: streaming %d file(s) from %s (each rank reads %s)", len(files), source.path, how)
-    collate = CachedCollator(processor, image_every_batch=guard)
+    collate = CachedCollator(processor, **guard.args())
     streamed = streamed_batches(rows(), position, micro, collate, str(data.on_bad_record), tally)
     return Data(batches=streamed, position=position, sampler=None, micro=micro, world_size=rank.world_size)
 
@@ -308,7 +339,13 @@ def _paired(rank: Rank, rows: Any, collate: Any, kept: Sequence[int], split: str
 
 
 def _held_out(
-    job: Job, rank: Rank, processor: Any, records: Records, guard: bool, tally: SkipTally, stop: Callable[[], bool]
+    job: Job,
+    rank: Rank,
+    processor: Any,
+    records: Records,
+    guard: ModalityGuard,
+    tally: SkipTally,
+    stop: Callable[[], bool],
 ) -> tuple[Any, Any, PairSet | None]:
     """The held-out loss loader, this rank's exact-match samples (None without data.eval_accuracy), and the
     held-out pairs (None unless data.pairs)."""
@@ -340,7 +377,7 @@ def _split(
     processor: Any,
     records: Records,
     split: str,
-    guard: bool,
+    guard: ModalityGuard,
     tally: SkipTally,
     stop: Callable[[], bool],
 ) -> tuple[Any, Any, Sequence[int], CacheInfo | None]:
@@ -356,7 +393,7 @@ def _split(
         tally.truncated += info.truncated
         tally.entries += [{"split": split, **entry} for entry in info.skip_log]
         kept = dataset.indices  # those that decoded and fit
-        return dataset, CachedCollator(processor, image_every_batch=guard), kept, info
+        return dataset, CachedCollator(processor, **guard.args()), kept, info
     video = VideoSampling.of(data.video)
     report = fit_records(records, processor, limit, num_workers=int(data.num_workers), video=video)
     tally.too_long += len(report.skipped)
@@ -366,7 +403,7 @@ def _split(
         entry = skipped_entry(record.get("file", ""), record.get("index", index), reason)
         tally.entries.append({"split": split, **entry})
     kept = Subset(records, report.kept) if len(report.kept) < len(records) else records
-    collate = Collator(processor, image_every_batch=guard, limit=limit)
+    collate = Collator(processor, limit=limit, **guard.args())
     return ConversationDataset(kept, video), collate, report.kept, None
 
 

@@ -60,8 +60,9 @@ class Work:
         self.samples += len(lengths)
         if flops is None:
             return
-        if flops.image_token_id is not None:
-            self.image_tokens += float((batch["input_ids"] == flops.image_token_id).sum())
+        for token_id in (flops.image_token_id, flops.video_token_id):  # a video's tokens count as image tokens
+            if token_id is not None:
+                self.image_tokens += float((batch["input_ids"] == token_id).sum())
         self.flops += flops.step_flops(lengths, flops.image_rows(batch))
 
     def metrics(self, seconds: float, peak: float | None, world_size: int) -> dict[str, float]:

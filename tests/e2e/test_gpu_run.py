@@ -1,7 +1,8 @@
 """bench/gpu_run.py in its CPU mode: the prepared GPU run of issue 41 (a plain PyTorch loop on transformers'
 model, then the launcher's rows through launcher.tune), rehearsed end to end on shrunk configs of the same
 two families, so that on a lent GPU only the sizes and the device differ. The padding phase is left out: its
-path is the packing phase's with `tune.batching=[pad]`, which tests/unit/tune/test_tuner.py measures."""
+path is the packing phase's with `tune.batching=[pad]`, which tests/unit/tune/test_tuner.py measures. The video
+phase (issue 43) runs on its 4-frame clips of 224 px, taken as videos by the real Qwen2-VL image processor."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def test_the_rehearsal_writes_a_plain_loop_row_then_the_launchers_rows_with_thei
     out = tmp_path / "out"
     done = subprocess.run(
         [sys.executable, "bench/gpu_run.py", "--cpu", "--out-dir", str(out), "--work-dir", str(tmp_path / "work"),
-         "--phases", "plain", "packing", "profile", "lora7b", "--records", "16", "--commit", "abc123"],
+         "--phases", "plain", "packing", "profile", "lora7b", "video16", "--records", "16", "--commit", "abc123"],
         cwd=ROOT, env=isolated_env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -40,14 +41,14 @@ def test_the_rehearsal_writes_a_plain_loop_row_then_the_launchers_rows_with_thei
     assert all(row["status"] == "ok" and row["planned_mib"] is None and row["data_wait_frac"] is None for row in plain)
     launcher = rows[len(plain) :]
     assert [(row["phase"], row["batching"], row["method"]) for row in launcher] == [
-        ("packing", "pack", "full"), ("lora7b", "pack", "lora")
+        ("packing", "pack", "full"), ("lora7b", "pack", "lora"), ("video16", "pad", "full")
     ]  # fmt: skip
     for row in rows:
         assert row["real_tokens_per_s"] > 0 and 0 < row["mfu"] < 1 and row["peak_mib"] > 0, row
     for row in launcher:
         assert row["status"] == "fits" and row["zero"] == 0 and row["planned_mib"] > 0, row
         assert 0 <= row["data_wait_frac"] < 1, row
-    assert [row["pack_length"] for row in launcher] == [2048, 2048]
+    assert [row["pack_length"] for row in launcher] == [2048, 2048, None]
     table = (out / "gpu.md").read_text()
     assert "| real tokens/s | x plain best |" in table
     ratios = [line.split(" | ")[9] for line in table.splitlines() if line.startswith("| plain-loop")]

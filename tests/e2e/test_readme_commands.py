@@ -79,6 +79,13 @@ PLANNED: list[tuple[str, str, Callable[[list[dict[str, Any]]], bool]]] = [
         lambda dicts: len(dicts) == 1,
     ),
     (
+        "train.py data.task=motion model=tiny_qwen2_vl",
+        "tests/unit/train/test_loaders.py trains video records on tiny_qwen2_vl (with the data cache and without, "
+        "DPO too); bench/video_data.py --learn measures this command learning (BENCHMARKS.md); here its clips are "
+        "drawn and the job planned",
+        lambda dicts: len(dicts) == 1,
+    ),
+    (
         "train.py loss=dpo data.task=colour",
         "tests/e2e/test_preference.py trains the built-in preference task (1,024 pairs, 2 ranks, ZeRO-0 and "
         "ZeRO-3) to a held-out reward accuracy of 0.95, tests/unit/train/test_preference_training.py at 1 rank",

@@ -22,6 +22,7 @@ from launcher.data.collate import (
 )
 from launcher.data.length import IGNORE_INDEX, LengthLimit
 from launcher.data.records import ConversationDataset, load_records
+from launcher.data.video import takes_videos
 from launcher.model.loading import set_pixel_limits
 from tests.unit.data.samples import labelled_text, long_records, two_records
 
@@ -122,9 +123,11 @@ def test_prompt_collator_left_pads_up_to_the_assistant_turn(tmp_path, model_and_
 
 
 # ----------------------------------------------------------------------------- the ZeRO-3 guard's dummy image
-def test_the_dummy_image_changes_no_loss_and_no_gradient(mixed_records, model_and_processor):
-    """A text-only batch with and without the guard's dummy image: the same loss, the same gradients,
-    and a zero gradient for the vision tower, which did run.
+@pytest.mark.parametrize("videos", [False, True], ids=["image", "image_and_video"])
+def test_the_dummy_image_changes_no_loss_and_no_gradient(mixed_records, model_and_processor, videos):
+    """A text-only batch with and without the guard's dummy image (and, for a model that takes videos as
+    videos, its dummy video too): the same loss, the same gradients, and a zero gradient for the vision
+    tower, which did run.
 
     "The same" up to float32 rounding: the dummy's tokens make the batch wider, and a wider matmul is
     blocked differently on a CPU, which reorders float32 sums; on this machine tiny_llava's loss then
@@ -132,12 +135,15 @@ def test_the_dummy_image_changes_no_loss_and_no_gradient(mixed_records, model_an
     that the real ones attended to, or a loss taken on one, would move the loss by orders of magnitude more
     than rtol=1e-6 (about 8 float32 epsilons) allows."""
     model, processor = model_and_processor
+    if videos and not takes_videos(processor):
+        pytest.skip("LLaVA takes a video's frames as images: the dummy image guards them")
     was_training = model.training
     model.eval()  # no dropout
     text_only = [s for s in ConversationDataset(mixed_records) if not s["images"]]
     plain = Collator(processor)(text_only)
-    guarded = Collator(processor, image_every_batch=True)(text_only)
+    guarded = Collator(processor, image_every_batch=True, video_every_batch=videos)(text_only)
     assert "pixel_values" not in plain and "pixel_values" in guarded
+    assert ("pixel_values_videos" in guarded) == videos and "pixel_values_videos" not in plain
     results = []
     try:
         for batch in (plain, guarded):

@@ -1,6 +1,7 @@
 """launcher.model.flops: the step's FLOPs counted per part (vision tower per patch, projector per image row,
 language model per token) agree with torch.utils.flop_counter's count of what the forward and backward
-ran, within 5%, on both tiny families: everything training, the vision tower frozen, and LoRA."""
+ran, within 5%, on both tiny families (a video in the batch too): everything training, the vision tower
+frozen, and LoRA."""
 
 from __future__ import annotations
 
@@ -27,6 +28,15 @@ def sample(images: list[Image.Image], answer: str) -> dict:
     return {"id": answer, "where": answer, "images": images, "messages": messages, "source": 0}
 
 
+def video_sample(frames: list[Image.Image], answer: str) -> dict:
+    question = [{"type": "video"}, {"type": "text", "text": "which way?"}]
+    messages = [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+    ]
+    return {"id": answer, "where": answer, "images": [], "videos": [frames], "messages": messages, "source": 0}
+
+
 def counted(model, batch: dict) -> int:
     with FlopCounterMode(display=False) as counter:
         model(**batch).loss.backward()
@@ -44,8 +54,11 @@ def test_the_step_flops_agree_with_torchs_flop_counter(model_dirs, arch, what):
         config = compose_typed(["method=lora", f"model={arch}", "method.dropout=0"])
         model = apply_method(model, config.method, config.model)
     red, blue = Image.new("RGB", (32, 32), "red"), Image.new("RGB", (48, 32), "blue")
-    # One image, two images of two sizes, no image: samples of different lengths (padded, as a batch is).
-    batch = Collator(processor)([sample([red], "red circle"), sample([red, blue], "blue square"), sample([], "hi")])
+    frames = [Image.new("RGB", (32, 32), (60 * t, 0, 0)) for t in range(4)]
+    # One image, two images of two sizes, no image, a video (4 frames: Qwen2-VL takes it as a video of two
+    # temporal patches, LLaVA as 4 images): samples of different lengths (padded, as a batch is).
+    samples = [sample([red], "red circle"), sample([red, blue], "blue square"), sample([], "hi")]
+    batch = Collator(processor)([*samples, video_sample(frames, "left")])
     flops = FlopModel.of(model)
     rows = batch["input_ids"].shape[0]
     padded = [int(batch["input_ids"].shape[1])] * rows  # what runs: padding included

@@ -86,18 +86,21 @@ def test_without_restarting_positions_a_record_would_see_the_one_before(model_di
     assert abs(separate[1] - joined[1]) > 1e-4 * abs(separate[1])
 
 
-@pytest.mark.parametrize("arch", ["tiny_llava", "tiny_qwen2_vl"])
-def test_the_zero3_guards_blank_image_in_a_text_only_packed_batch_changes_no_loss(model_dirs, arch):
-    """Under the modality guard a packed batch without images gets a blank image's record, with no
-    target: the vision tower runs, and the text records' losses (and the batch loss) are what they were."""
+@pytest.mark.parametrize(("arch", "videos"), [("tiny_llava", False), ("tiny_qwen2_vl", False), ("tiny_qwen2_vl", True)])
+def test_the_zero3_guards_blank_image_in_a_text_only_packed_batch_changes_no_loss(model_dirs, arch, videos):
+    """Under the modality guard a packed batch without images gets a blank image's record (and, for a model
+    that takes videos as videos, a blank video's), with no target: the vision tower runs, and the text
+    records' losses (and the batch loss) are what they were."""
     model, processor = load_model_and_processor(str(model_dirs[arch]))
     model.eval()
     encode = RecordEncoder(processor, None, "pixels")
     text_only = [encode(sample([], answer))[0] for answer in ("hi", "red circle")]
     rows = [[{"tensors": t} for t in text_only]]
-    plain, guarded = PackedCollator(processor)(rows), PackedCollator(processor, image_every_batch=True)(rows)
+    plain = PackedCollator(processor)(rows)
+    guarded = PackedCollator(processor, image_every_batch=True, video_every_batch=videos)(rows)
     assert "pixel_values" not in plain and "pixel_values" in guarded
-    assert guarded[RECORD_LENGTHS][0][:2] == plain[RECORD_LENGTHS][0] and len(guarded[RECORD_LENGTHS][0]) == 3
+    assert ("video_grid_thw" in guarded) == videos
+    assert guarded[RECORD_LENGTHS][0][:2] == plain[RECORD_LENGTHS][0] and len(guarded[RECORD_LENGTHS][0]) == 3 + videos
     with torch.no_grad():
         before, after = model(**packed_inputs(model, plain)), model(**packed_inputs(model, guarded))
     assert float(after.loss) == pytest.approx(float(before.loss), rel=1e-6)

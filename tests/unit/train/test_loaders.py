@@ -331,8 +331,9 @@ def write_video_data(root: Path, n: int = 24) -> Path:
 
 @pytest.mark.parametrize("arch", ["tiny_llava", "tiny_qwen2_vl"])
 def test_image_video_and_text_records_train_alike_with_the_data_cache_or_without(train_in_process, tmp_path, arch):
-    """Each video trains as its sampled frames; the cache (which keeps the video files) and the records decoded
-    each step give the same losses; the video cut short is skipped and listed, both ways."""
+    """Each video trains as a video (tiny_qwen2_vl) or as its sampled frames (tiny_llava); the cache (which keeps
+    the video files) and the records decoded each step give the same losses; the video cut short is skipped
+    and listed, both ways."""
     path = write_video_data(tmp_path)
     job = (*QUICK, f"model={arch}", "data=llava_json", f"data.path={path}", f"data.image_root={tmp_path / 'img'}")
     job = (*job, "train.max_steps=6")
@@ -349,7 +350,8 @@ def test_image_video_and_text_records_train_alike_with_the_data_cache_or_without
     assert curves["true"] == pytest.approx(curves["false"], rel=1e-6)
 
 
-def test_a_preference_pair_with_a_video_trains_from_log_2(train_in_process, tmp_path):
+@pytest.mark.parametrize("arch", ["tiny_llava", "tiny_qwen2_vl"])
+def test_a_preference_pair_with_a_video_trains_from_log_2(train_in_process, tmp_path, arch):
     """DPO on LLaMA-Factory pairs whose prompts hold a video, an image or nothing: the loss starts at log 2
     (the policy is the reference) and falls."""
     write_video_data(tmp_path)
@@ -364,7 +366,8 @@ def test_a_preference_pair_with_a_video_trains_from_log_2(train_in_process, tmp_
                      "rejected": {"role": "assistant", "content": rejected}})  # fmt: skip
     path = tmp_path / "pairs.jsonl"
     path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
-    job = (*QUICK, "loss=dpo", "data=llava_json", f"data.path={path}", f"data.image_root={tmp_path / 'img'}")
+    job = (*QUICK, "loss=dpo", f"model={arch}", "data=llava_json", f"data.path={path}")
+    job = (*job, f"data.image_root={tmp_path / 'img'}")
     ran = train_in_process(*job, "train.max_steps=4", "data.video.min_frames=2", "data.video.max_frames=4")
     assert ran.outcome.status == "completed", ran.outcome.error
     curve = losses(ran.run_dir)
