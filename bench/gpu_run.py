@@ -175,8 +175,7 @@ def write_data(out: Path, kind: str, records: int, image_side: int = 448) -> lis
     """A llava-format set of `records` records, one image each (a few distinct JPEGs of image_side px),
     the question short and the answer long: fixed (900 words: every record longer than 1,024 tokens, cut
     to it) or variable (20 to 1,800 words); or videoF / videoFxSIDE (`write_videos`: F frames of SIDE px,
-    default image_side). Written once; the train.py
-    overrides that read it."""
+    default image_side). Written once; the train.py overrides that read it."""
     from PIL import Image
 
     if kind.startswith("video"):  # videoF, or videoFxSIDE
