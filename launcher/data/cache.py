@@ -74,7 +74,7 @@ from launcher.core.signals import pause_for_test
 from launcher.data.collate import Collator, add_dummy_media, nothing_fits
 from launcher.data.formats import BadRecordError, open_image, skipped_entry
 from launcher.data.index import Records, holds_videos
-from launcher.data.length import LengthLimit, RecordTooLong, fit_to_length, one_row, pad_rows, unchanged
+from launcher.data.length import IMAGES, VIDEOS, LengthLimit, RecordTooLong, fit_to_length, one_row, pad_rows, unchanged
 from launcher.data.records import ConversationDataset
 from launcher.data.video import VideoSampling, decode_frames, video_pixels
 
@@ -219,23 +219,14 @@ class RecordEncoder:
         if self.images == "encoded" and pixels:
             media = sample.get("media")
             if not media:
-                stored = encoded_images(sources or [], kept=_held(tensors, "image_grid_thw", "pixel_values"))
-            elif "video_grid_thw" in tensors:  # videos as videos: every image and video kept whole, in order
-                kept = _held(tensors, "image_grid_thw", "pixel_values") + len(tensors["video_grid_thw"])
-                stored = encoded_media(media, kept=kept, whole_videos=True)
+                stored = encoded_images(sources or [], kept=IMAGES.count(tensors))
+            elif VIDEOS.grid in tensors:  # videos as videos: every image and video kept whole, in order
+                stored = encoded_media(media, kept=IMAGES.count(tensors) + VIDEOS.count(tensors), whole_videos=True)
             else:  # videos as their frames: the first `kept` pictures
-                stored = encoded_media(media, kept=_held(tensors, "image_grid_thw", "pixel_values"))
+                stored = encoded_media(media, kept=IMAGES.count(tensors))
             tensors = {name: value for name, value in tensors.items() if name not in pixels}
             tensors.update(stored)
         return tensors, cut
-
-
-def _held(tensors: dict[str, torch.Tensor], grid: str, pixels: str) -> int:
-    """How many images a sample's (possibly cut) tensors hold: one grid row per image (the Qwen2-VL family),
-    else one pixel_values row per image (LLaVA)."""
-    if grid in tensors:
-        return len(tensors[grid])
-    return len(tensors[pixels]) if pixels in tensors else 0
 
 
 def encoded_images(sources: list[str | bytes], *, kept: int) -> dict[str, torch.Tensor]:
@@ -801,7 +792,6 @@ class CachedDataset(Dataset):
         if self.encoded and processor is None:
             raise LauncherError(f"{self.path}: its images are encoded; reading it needs the processor")
         self.processor = processor if self.encoded else None
-        self.image_processor = processor.image_processor if self.encoded else None
         self.video = VideoSampling(**meta.get("video", {}))  # how the build sampled its videos' frames
         self._layout = {name: (dtype, tuple(shape)) for name, (dtype, shape) in meta["layout"].items()}
         self.names = sorted(self._layout)
@@ -886,7 +876,7 @@ class CachedDataset(Dataset):
             else:
                 images.append(open_image(stored, record_id))
         if images:
-            tensors["pixel_values"] = self.image_processor(images, return_tensors="pt")["pixel_values"]
+            tensors["pixel_values"] = self.processor.image_processor(images, return_tensors="pt")["pixel_values"]
         if videos:
             tensors.update(video_pixels(self.processor, videos))
         return tensors

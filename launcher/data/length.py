@@ -81,29 +81,33 @@ def fit_to_length(row: dict[str, torch.Tensor], limit: LengthLimit, processor) -
         )
     end = int(kept[-1]) + 1
     out = {key: value[:end] for key, value in row.items() if key in TOKEN_KEYS}
-    for kind in _KINDS:
+    for kind in (IMAGES, VIDEOS):
         if kind.grid in row or kind.pixels in row:
             out.update(_kept_whole(row, end, kind, processor, f"{length:,} tokens, over data.max_length={longest}"))
     return out, True
 
 
 @dataclass(frozen=True)
-class _Kind:
-    """Where a kind of media keeps its tokens and pixels in a sample's tensors."""
+class MediaKind:
+    """Where a kind of media (images, videos) keeps its tokens and pixels in a sample's or batch's tensors."""
 
     name: str  # what the reasons call them
     token: str  # the processor's attribute naming its token id
     grid: str  # its (t, h, w) rows, one per image or video (the Qwen2-VL family)
     pixels: str
 
+    def count(self, tensors: dict[str, torch.Tensor]) -> int:
+        """How many the tensors hold: a grid row each (the Qwen2-VL family), else a pixel row each (LLaVA)."""
+        if self.grid in tensors:
+            return len(tensors[self.grid])
+        return len(tensors[self.pixels]) if self.pixels in tensors else 0
 
-_KINDS = (
-    _Kind("images", "image_token_id", "image_grid_thw", "pixel_values"),
-    _Kind("videos", "video_token_id", "video_grid_thw", "pixel_values_videos"),
-)
+
+IMAGES = MediaKind("images", "image_token_id", "image_grid_thw", "pixel_values")
+VIDEOS = MediaKind("videos", "video_token_id", "video_grid_thw", "pixel_values_videos")
 
 
-def _kept_whole(row: dict[str, torch.Tensor], end: int, kind: _Kind, processor, said: str) -> dict[str, torch.Tensor]:
+def _kept_whole(row: dict[str, torch.Tensor], end: int, kind: MediaKind, processor, said: str) -> dict:
     """The tensors of the images (or videos) whose tokens all lie before `end`: a cut ends on an answer token,
     so never inside one's tokens."""
     token_id = getattr(processor, kind.token)
@@ -125,14 +129,13 @@ def _kept_whole(row: dict[str, torch.Tensor], end: int, kind: _Kind, processor, 
     return out
 
 
-def _tokens_per_item(row: dict[str, torch.Tensor], kind: _Kind, token_id: int, processor) -> list[int]:
+def _tokens_per_item(row: dict[str, torch.Tensor], kind: MediaKind, token_id: int, processor) -> list[int]:
     """Language-model tokens of each image (or video) of a sample, in order."""
     grid = row.get(kind.grid)
     if grid is not None:  # the Qwen2-VL family: merge x merge patches make one token
         merge = int(getattr(processor.image_processor, "merge_size", 1))
         return [int(patches) // merge**2 for patches in grid.prod(-1)]
-    pixels = row.get(kind.pixels)
-    images = 0 if pixels is None else len(pixels)
+    images = kind.count(row)
     held = int((row["input_ids"] == token_id).sum())
     return [held // images] * images if images else []  # LLaVA: every image the same
 

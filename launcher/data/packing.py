@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import Dataset
 
 from launcher.data.collate import blank_media
-from launcher.data.length import IGNORE_INDEX
+from launcher.data.length import IGNORE_INDEX, IMAGES, VIDEOS
 
 PACK_BLOCK = 1000  # records packed together: the plan's window, and what its rows are shuffled within
 RECORD_LENGTHS = "record_lengths"  # a packed batch's tokens per record, per row: read by the step, not the model
@@ -89,9 +89,9 @@ class PackedCollator:
     def __call__(self, rows: list[list[dict]]) -> dict[str, Any]:
         records = [[record["tensors"] for record in row] for row in rows]
         held = [record for row in records for record in row]
-        if self.image_every_batch and not any(_count(record, *IMAGE_KEYS) for record in held):
+        if self.image_every_batch and not any(IMAGES.count(record) for record in held):
             records[0] = [*records[0], self._blank(video=False)]
-        if self.video_every_batch and not any(_count(record, *VIDEO_KEYS) for record in held):
+        if self.video_every_batch and not any(VIDEOS.count(record) for record in held):
             records[0] = [*records[0], self._blank(video=True)]
         joined = [self._joined(row) for row in records]
         width = max(len(row["input_ids"]) for row in joined)
@@ -137,18 +137,10 @@ class PackedCollator:
             if held:
                 joined[name] = torch.cat(held)
         joined["lengths"] = [len(record["input_ids"]) for record in records]
-        joined["images"] = [_count(record, *IMAGE_KEYS) for record in records]
-        joined["videos"] = [_count(record, *VIDEO_KEYS) for record in records]
+        joined["images"] = [IMAGES.count(record) for record in records]
+        joined["videos"] = [VIDEOS.count(record) for record in records]
         return joined
 
 
-# A record's tensors of images and videos (grid, pixels), concatenated over a row's records in order.
-IMAGE_KEYS, VIDEO_KEYS = ("image_grid_thw", "pixel_values"), ("video_grid_thw", "pixel_values_videos")
-MEDIA_KEYS = (*IMAGE_KEYS, *VIDEO_KEYS)
-
-
-def _count(record: dict[str, torch.Tensor], grid: str, pixels: str) -> int:
-    """A record's images (or videos): a grid row each (the Qwen2-VL family), else a pixel_values row each."""
-    if grid in record:
-        return len(record[grid])
-    return len(record[pixels]) if pixels in record else 0
+# A record's tensors of images and videos, concatenated over a row's records in order.
+MEDIA_KEYS = (IMAGES.pixels, IMAGES.grid, VIDEOS.pixels, VIDEOS.grid)

@@ -32,8 +32,7 @@ def packed_inputs(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
     """The model's inputs of a packed batch: position ids added, the packing's bookkeeping removed."""
     inputs = {k: v for k, v in batch.items() if k not in (RECORD_LENGTHS, RECORD_IMAGES, RECORD_VIDEOS, REAL_TOKENS)}
     inputs["use_cache"] = False  # with a key-value cache transformers looks for no packed sequences
-    lengths, images = batch[RECORD_LENGTHS], batch[RECORD_IMAGES]
-    videos = batch.get(RECORD_VIDEOS) or [[0] * len(row) for row in lengths]
+    lengths, images, videos = batch[RECORD_LENGTHS], batch[RECORD_IMAGES], batch[RECORD_VIDEOS]
     rows, width = inputs["input_ids"].shape
     inputs[PACKED_SPANS] = lengths  # read by packed_sdpa_attention (use_packed_attention); others ignore it
     if _text_attention(model) in (PACKED_ATTENTION, PACKED_VARLEN):
