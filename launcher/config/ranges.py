@@ -84,6 +84,7 @@ RANGES: tuple[Range, ...] = (
         "must be a positive number of frames per video, at least data.video.min_frames",
     ),
     at_least("data.video.max_pixels", 64, optional=True),
+    at_least("data.video.grid", 1),
     Range("data.video.max_seconds", lambda v: float(v) > 0, "must be a positive length, or null", optional=True),
     at_least("data.shuffle_block", 1),
     at_least("data.pack_length", 16, when=lambda cfg: cfg.data.pack_length is not None),

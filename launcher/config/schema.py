@@ -273,6 +273,19 @@ if not OmegaConf.has_resolver("is_preference"):
     OmegaConf.register_new_resolver("is_preference", is_preference)
 
 
+def tiny_llava_image_size(task: Any, grid: Any) -> int:
+    """The tiny LLaVA's image side (model.image_size's default, conf/model/tiny_llava.yaml): 32 px, the
+    built-in set's images; on the built-in motion task, 64 px per frame of its data.video.grid x grid tiles
+    (128 at the default 2): at 32 px a frame is 4 x 4 patches, too coarse for its 2-layer tower to tell
+    where the shape is in each (held-out exact match stays at chance), at 64 px 8 x 8 (0.99 within 500
+    steps; docs/models.md)."""
+    return 64 * int(grid) if str(task) == "motion" else 32
+
+
+if not OmegaConf.has_resolver("tiny_llava_image_size"):
+    OmegaConf.register_new_resolver("tiny_llava_image_size", tiny_llava_image_size)
+
+
 @dataclass
 class SourceConfig:
     """One source of a mixture (data.sources): its file, folder or hub id, and its share of the draws."""
@@ -288,13 +301,18 @@ class SourceConfig:
 class VideoConfig:
     """Which frames of a record's video train (launcher/data/video.py): `fps` frames per second of video,
     spread evenly over all of it, at least `min_frames` and at most `max_frames`; each frame scaled down to
-    at most `max_pixels` pixels (null: as the video has them). A video over `max_seconds` is a bad record."""
+    at most `max_pixels` pixels (null: as the video has them). A video over `max_seconds` is a bad record.
+    A model that takes frames as images (LLaVA) gets them tiled `grid` x `grid` into each image."""
 
     fps: float = 2.0
     min_frames: int = 4
     max_frames: int = 32
     max_pixels: int | None = 200_704  # 448 x 448
     max_seconds: float | None = 3600.0
+    # Frames per image side where the model takes frames as images (the LLaVA family; the Qwen2-VL family
+    # takes videos as videos and ignores it): 2 tiles 4 frames in time order into one image, so its vision
+    # tower sees them together and a frame costs a quarter of an image's tokens; 1: each frame an image.
+    grid: int = 2
 
 
 @dataclass
@@ -417,7 +435,8 @@ class PlanConfig:
     seq_len: int | None = None
     text_tokens: int | None = None  # null: 512 (tiny models: 32)
     images_per_sample: int = 1
-    # Videos per sample, each planned as data.video.max_frames frames, a frame as an image (as it trains).
+    # Videos per sample, each planned as its data.video.max_frames frames train: data.video.grid^2 frames tiled
+    # into an image (LLaVA), or a pair per temporal patch (the Qwen2-VL family).
     videos_per_sample: int = 0
     image_size: int | None = None  # pixels per side for dynamic-resolution models (Qwen2-VL); null: 448
     precisions: list[PlannedPrecision] | None = None  # null: those the device supports (bf16, fp16, fp32)

@@ -76,16 +76,24 @@ from launcher.data.formats import BadRecordError, open_image, skipped_entry
 from launcher.data.index import Records, holds_videos
 from launcher.data.length import IMAGES, VIDEOS, LengthLimit, RecordTooLong, fit_to_length, one_row, pad_rows, unchanged
 from launcher.data.records import ConversationDataset
-from launcher.data.video import VideoSampling, decode_frames, video_pixels
+from launcher.data.video import (
+    VideoSampling,
+    decode_clip,
+    decode_frames,
+    images_per_video,
+    tile_frames,
+    video_pixels,
+)
 
 log = logging.getLogger("launcher")
 
-# 9: the Qwen2-VL family takes videos as videos (video_grid_thw; stored whole); 8: videos (their files'
-# bytes, the frames kept of each) and data.video in the key; 7: answers kept as written (no longer
-# stripped: code keeps its indentation); 6: 64-bit integer tensors stored in 32 bits (NARROWED); 5: which
-# records it holds in arrays (records.npz, ids.arrow), not in meta.json; 4: images kept encoded
-# (data.cache_images), shards built by every rank; 3: data.max_length in the key
-CACHE_VERSION = 9
+# 10: a frames-as-images model's frames tiled data.video.grid x grid per image, Qwen2.5-VL's seconds per
+# temporal patch (remade with the pixels); 9: the Qwen2-VL family takes videos as videos (video_grid_thw;
+# stored whole); 8: videos (their files' bytes, the frames kept of each) and data.video in the key; 7: answers
+# kept as written (no longer stripped: code keeps its indentation); 6: 64-bit integer tensors stored in 32 bits
+# (NARROWED); 5: which records it holds in arrays (records.npz, ids.arrow), not in meta.json; 4: images kept
+# encoded (data.cache_images), shards built by every rank; 3: data.max_length in the key
+CACHE_VERSION = 10
 META_FILE = "meta.json"
 RECORDS_FILE = "records.npz"
 IDS_FILE = "ids.arrow"
@@ -223,7 +231,7 @@ class RecordEncoder:
             elif VIDEOS.grid in tensors:  # videos as videos: every image and video kept whole, in order
                 stored = encoded_media(media, kept=IMAGES.count(tensors) + VIDEOS.count(tensors), whole_videos=True)
             else:  # videos as their frames: the first `kept` pictures
-                stored = encoded_media(media, kept=IMAGES.count(tensors))
+                stored = encoded_media(media, kept=IMAGES.count(tensors), grid=self.video.grid)
             tensors = {name: value for name, value in tensors.items() if name not in pixels}
             tensors.update(stored)
         return tensors, cut
@@ -240,18 +248,19 @@ def encoded_images(sources: list[str | bytes], *, kept: int) -> dict[str, torch.
 
 
 def encoded_media(
-    media: list[tuple[str | bytes, int]], *, kept: int, whole_videos: bool = False
+    media: list[tuple[str | bytes, int]], *, kept: int, whole_videos: bool = False, grid: int = 1
 ) -> dict[str, torch.Tensor]:
     """The files of a record's images and videos (source, frames; 0 frames: an image) whose pictures are among
     the first `kept`, back to back, each one's length, and the frames kept of each video (0 for an image).
-    `whole_videos` (a model that takes videos as videos): a video counts as one picture, its frames all kept."""
+    `whole_videos` (a model that takes videos as videos): a video counts as one picture, its frames all kept;
+    else its frames are pictures of grid x grid frames each (launcher.data.video.tile_frames)."""
     files, frames_kept = [], []
     for source, frames in media:
         if kept <= 0:
             break
-        pictures = 1 if whole_videos else max(frames, 1)
+        pictures = 1 if whole_videos or not frames else images_per_video(frames, grid)
         files.append(source)
-        frames_kept.append(frames if whole_videos else min(frames, kept))
+        frames_kept.append(frames if whole_videos else min(frames, kept * grid * grid))
         kept -= pictures
     return {
         **encoded_images(files, kept=len(files)),
@@ -866,19 +875,21 @@ class CachedDataset(Dataset):
         frames = frames or [0] * len(lengths)  # a record of images alone stores no frame counts
         as_videos = len(tensors.get("video_grid_thw", ())) > 0  # a model that takes videos as videos
         ends = np.cumsum(lengths).tolist()
-        images, videos = [], []
+        images, videos, fps = [], [], []
         for end, length, kept in zip(ends, lengths, frames, strict=True):
             stored = blob[end - length : end]
             if kept and as_videos:
-                videos.append(decode_frames(stored, self.video)[:kept])
-            elif kept:
-                images += decode_frames(stored, self.video)[:kept]
+                clip = decode_clip(stored, self.video)
+                videos.append(clip.frames[:kept])
+                fps.append(clip.fps)
+            elif kept:  # frames placed as images, tiled as the collator tiles them
+                images += tile_frames(decode_frames(stored, self.video)[:kept], self.video.grid)
             else:
                 images.append(open_image(stored, record_id))
         if images:
             tensors["pixel_values"] = self.processor.image_processor(images, return_tensors="pt")["pixel_values"]
         if videos:
-            tensors.update(video_pixels(self.processor, videos))
+            tensors.update(video_pixels(self.processor, videos, fps))
         return tensors
 
     def __getstate__(self) -> dict:  # workers open their own maps

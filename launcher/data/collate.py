@@ -21,7 +21,7 @@ from launcher.core.errors import LauncherError
 from launcher.data.formats import BadRecordError
 from launcher.data.length import IGNORE_INDEX, LengthLimit, RecordTooLong, fit_to_length, one_row, pad_rows, unchanged
 from launcher.data.records import ConversationDataset
-from launcher.data.video import VideoSampling, as_model_takes
+from launcher.data.video import VideoSampling, as_model_takes, frames_metadata
 
 
 def _render(processor, messages: list[dict], *, add_generation_prompt: bool) -> str:
@@ -138,6 +138,9 @@ def _encode(processor, texts: list[str], samples: list[dict], *, padding_side: s
     images = [sample["images"] for sample in samples]
     videos = [frames for sample in samples for frames in sample.get("videos", ())]
     asked = {"return_offsets_mapping": True, "return_text_replacement_offsets": True} if offsets else {}
+    if videos:  # sampled already: the processor samples none, and knows each video's rate (`frames_metadata`)
+        rates = [rate for sample in samples for rate in _video_fps(sample)]
+        asked |= {"video_metadata": frames_metadata(videos, rates), "do_sample_frames": False}
     batch = processor(
         text=texts,
         images=images if any(images) else None,
@@ -153,6 +156,12 @@ def _encode(processor, texts: list[str], samples: list[dict], *, padding_side: s
             "so assistant tokens cannot be labelled"
         )
     return dict(batch)
+
+
+def _video_fps(sample: dict) -> list[float]:
+    """The sample's videos' frames per second of video (ConversationDataset's "video_fps"); a sample made
+    without (the guard's blank video) at data.video's default rate."""
+    return sample.get("video_fps") or [VideoSampling().fps] * len(sample.get("videos", ()))
 
 
 def add_dummy_media(

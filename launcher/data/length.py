@@ -13,6 +13,7 @@ import torch
 
 from launcher.config.schema import DataConfig
 from launcher.data.formats import BadRecordError
+from launcher.data.video import SECONDS_PER_PATCH
 
 IGNORE_INDEX = -100  # label value the loss skips
 
@@ -95,6 +96,8 @@ class MediaKind:
     token: str  # the processor's attribute naming its token id
     grid: str  # its (t, h, w) rows, one per image or video (the Qwen2-VL family)
     pixels: str
+    # Other tensors of one entry per image or video (a video's seconds per temporal patch: Qwen2.5-VL).
+    per_item: tuple[str, ...] = ()
 
     def count(self, tensors: dict[str, torch.Tensor]) -> int:
         """How many the tensors hold: a grid row each (the Qwen2-VL family), else a pixel row each (LLaVA)."""
@@ -104,7 +107,7 @@ class MediaKind:
 
 
 IMAGES = MediaKind("images", "image_token_id", "image_grid_thw", "pixel_values")
-VIDEOS = MediaKind("videos", "video_token_id", "video_grid_thw", "pixel_values_videos")
+VIDEOS = MediaKind("videos", "video_token_id", "video_grid_thw", "pixel_values_videos", (SECONDS_PER_PATCH,))
 
 
 def _kept_whole(row: dict[str, torch.Tensor], end: int, kind: MediaKind, processor, said: str) -> dict:
@@ -126,6 +129,7 @@ def _kept_whole(row: dict[str, torch.Tensor], end: int, kind: MediaKind, process
             out[kind.pixels] = row[kind.pixels][: int(grid[:items].prod(-1).sum())]
     elif kind.pixels in row:  # LLaVA: a row of pixel values per image
         out[kind.pixels] = row[kind.pixels][:items]
+    out.update({key: row[key][:items] for key in kind.per_item if key in row})
     return out
 
 

@@ -143,4 +143,4 @@ class PackedCollator:
 
 
 # A record's tensors of images and videos, concatenated over a row's records in order.
-MEDIA_KEYS = (IMAGES.pixels, IMAGES.grid, VIDEOS.pixels, VIDEOS.grid)
+MEDIA_KEYS = (IMAGES.pixels, IMAGES.grid, *IMAGES.per_item, VIDEOS.pixels, VIDEOS.grid, *VIDEOS.per_item)

@@ -26,7 +26,7 @@ from launcher.data.formats import (
 )
 from launcher.data.index import Records, indexed_records
 from launcher.data.shapes import prepare_data
-from launcher.data.video import BadVideoError, VideoSampling, decode_frames, media_in_order
+from launcher.data.video import BadVideoError, Clip, VideoSampling, decode_clip, media_in_order
 
 INDEX_DIR = "record_index"  # under cache_dir
 
@@ -165,9 +165,10 @@ class ConversationDataset(Dataset):
     """Records -> {"id", "where", "images": RGB PIL images, "messages", "source"}; images decode here, in workers.
 
     A record's videos are sampled and decoded here too (`video`: data.video): such a sample also holds
-    "videos" (each video's sampled frames, in order) and "media" ((source, frames) per image or video part,
-    in order, which the data cache stores encoded). Its messages keep their video parts: the collator
-    gives them to the model as videos, or as frames placed as images (launcher.data.video.as_model_takes)."""
+    "videos" (each video's sampled frames, in order), "video_fps" (their frames per second of video),
+    "video_grid" (data.video.grid) and "media" ((source, frames) per image or video part, in order, which the
+    data cache stores encoded). Its messages keep their video parts: the collator gives them to the model as
+    videos, or as frames tiled into images (launcher.data.video.as_model_takes)."""
 
     def __init__(self, records: Sequence[dict], video: VideoSampling | None = None):
         self.records = records
@@ -186,16 +187,18 @@ def decode_record(record: dict, video: VideoSampling) -> dict:
     images = [open_image(image, where) for image in record["images"]]
     sample = {"id": record["id"], "where": where, "images": images, "messages": record["messages"]}
     if record.get("videos"):
-        sample["videos"] = [_frames(source, where, video) for source in record["videos"]]
-        counts = [(source, len(frames)) for source, frames in zip(record["videos"], sample["videos"], strict=True)]
+        clips = [_clip(source, where, video) for source in record["videos"]]
+        sample["videos"], sample["video_fps"] = [clip.frames for clip in clips], [clip.fps for clip in clips]
+        sample["video_grid"] = video.grid  # how a model of images tiles them (launcher.data.video.tile_frames)
+        counts = [(source, len(clip.frames)) for source, clip in zip(record["videos"], clips, strict=True)]
         sample["media"] = media_in_order(record["messages"], record["images"], counts)
     sample["source"] = record.get("source", 0)
     return sample
 
 
-def _frames(source: str | bytes, where: str, video: VideoSampling) -> list:
+def _clip(source: str | bytes, where: str, video: VideoSampling) -> Clip:
     try:
-        return decode_frames(source, video)
+        return decode_clip(source, video)
     except BadVideoError as error:
         raise BadRecordError(f"{where}: {error}; fix or remove it, or set data.on_bad_record=skip") from None
 

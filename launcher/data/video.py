@@ -14,8 +14,10 @@ processor sees it.
 
 The model takes the sampled frames its own way (`as_model_takes`): the Qwen2-VL family as a video (its
 video token, frames paired into temporal patches, `video_grid_thw`: `video_inputs` makes the pixels from
-the image processor where the processor has no video processor of its own), the LLaVA family as images
-placed where the video was (`frames_as_images`).
+the image processor where the processor has no video processor of its own; the Qwen2.5-VL family also
+each video's seconds per patch, `seconds_per_patch`, from the rate its frames were sampled at), the LLaVA
+family as images placed where the video was, data.video.grid x grid frames tiled into each
+(`frames_as_images`, `tile_frames`).
 """
 
 from __future__ import annotations
@@ -43,13 +45,14 @@ class BadVideoError(LauncherError):
 class VideoSampling:
     """Which frames of a video train (data.video, whose ranges launcher.config.ranges checks): `fps` per second
     of video, between `min_frames` and `max_frames`; each at most `max_pixels` pixels (None: as the video has
-    them)."""
+    them); tiled `grid` x `grid` into each image for a model that takes frames as images (`frames_as_images`)."""
 
     fps: float = 2.0
     min_frames: int = 4
     max_frames: int = 32
     max_pixels: int | None = 200_704  # 448 x 448
     max_seconds: float | None = 3600.0  # a longer video is a bad record
+    grid: int = 2
 
     @classmethod
     def of(cls, video: Any) -> VideoSampling:
@@ -60,6 +63,7 @@ class VideoSampling:
             max_frames=int(video.max_frames),
             max_pixels=None if video.max_pixels is None else int(video.max_pixels),
             max_seconds=None if video.max_seconds is None else float(video.max_seconds),
+            grid=int(video.grid),
         )
 
     def frame_count(self, seconds: float) -> int:
@@ -168,9 +172,23 @@ def sample_frames(info: VideoInfo, sampling: VideoSampling) -> list[int]:
     return np.linspace(0, info.frames - 1, count).round().astype(int).tolist()
 
 
+@dataclass(frozen=True)
+class Clip:
+    """A video's sampled frames (RGB, in time order) and how many of them there are per second of the
+    video (`fps`: what the Qwen2.5-VL family's rotary time counts, `seconds_per_patch`)."""
+
+    frames: list[Image.Image]
+    fps: float
+
+
 def decode_frames(source: str | bytes, sampling: VideoSampling) -> list[Image.Image]:
-    """The sampled frames of a video as RGB images, each within sampling.max_pixels; BadVideoError when the
-    video does not decode (a truncated file, a damaged stream)."""
+    """The sampled frames of a video (`decode_clip`)."""
+    return decode_clip(source, sampling).frames
+
+
+def decode_clip(source: str | bytes, sampling: VideoSampling) -> Clip:
+    """The sampled frames of a video as RGB images, each within sampling.max_pixels, and their rate;
+    BadVideoError when the video does not decode (a truncated file, a damaged stream)."""
     import av
 
     what = _what(source)
@@ -207,7 +225,10 @@ def decode_frames(source: str | bytes, sampling: VideoSampling) -> list[Image.Im
         raise BadVideoError(
             f"{what} ends after {index + 1} of the {info.frames} frames its header lists (a truncated file?)"
         )
-    return [decoded[i] for i in wanted]
+    # Frames per second of video as transformers' VideoMetadata.sampled_fps counts them (frames / duration);
+    # a container that gives no duration: the rate asked for.
+    fps = len(wanted) / info.seconds if info.seconds > 0 else sampling.fps
+    return Clip([decoded[i] for i in wanted], fps)
 
 
 def _within(image: Image.Image, max_pixels: int | None) -> Image.Image:
@@ -294,15 +315,50 @@ def video_inputs(image_processor: Any, videos: list[list[Image.Image]]) -> dict[
     return {"pixel_values_videos": torch.cat(pixels), "video_grid_thw": torch.tensor(grids, dtype=torch.int64)}
 
 
-def video_pixels(processor: Any, videos: list[list[Image.Image]]) -> dict[str, Any]:
-    """The model's pixel tensors of sampled videos: its processor's own video processor where it has one
-    (transformers' need torchvision), frames taken as sampled (no sampling of its own); else `video_inputs`
-    with its image processor."""
+def video_pixels(processor: Any, videos: list[list[Image.Image]], fps: list[float]) -> dict[str, Any]:
+    """The model's tensors of sampled videos (each `fps` frames per second of video): its processor's own
+    video processor where it has one (transformers' need torchvision), frames taken as sampled (no sampling
+    of its own), else `video_inputs` with its image processor; and each video's seconds per temporal patch
+    where the model places patches in time (`seconds_per_patch`)."""
+    import torch
+
     video_processor = getattr(processor, "video_processor", None)
     if video_processor is None:
-        return video_inputs(processor.image_processor, videos)
-    out = video_processor(videos=videos, do_sample_frames=False, return_tensors="pt")
-    return {key: out[key] for key in ("pixel_values_videos", "video_grid_thw")}
+        out = video_inputs(processor.image_processor, videos)
+    else:
+        made = video_processor(videos=videos, do_sample_frames=False, return_tensors="pt")
+        out = {key: made[key] for key in ("pixel_values_videos", "video_grid_thw")}
+    seconds = seconds_per_patch(processor, fps)
+    if seconds is not None:
+        out[SECONDS_PER_PATCH] = torch.tensor(seconds)
+    return out
+
+
+# The processors' name for a video's seconds per temporal patch (Qwen2.5-VL's `second_per_grid_ts`).
+SECONDS_PER_PATCH = "second_per_grid_ts"
+
+
+def seconds_per_patch(processor: Any, fps: list[float]) -> list[float] | None:
+    """Seconds of video one temporal patch spans, per video sampled at `fps` frames per second: where the
+    model places a video's patches in absolute time (the Qwen2.5-VL family: its rotary time index moves
+    tokens_per_second x these per patch), else None (Qwen2-VL counts patches). Without them transformers
+    takes 1 s, right only at 2 frames per second: data.video's min_frames and max_frames change a video's
+    rate (a 60 s video at 32 frames: 3.75 s per patch)."""
+    if SECONDS_PER_PATCH not in getattr(processor, "model_input_names", ()):
+        return None
+    source = getattr(processor, "video_processor", None) or processor.image_processor
+    temporal = int(source.temporal_patch_size)
+    return [temporal / rate for rate in fps]
+
+
+def frames_metadata(videos: list[list[Any]], fps: list[float]) -> list[dict[str, Any]]:
+    """transformers' video metadata of videos whose frames are already sampled: all of each video's frames,
+    at its sampled rate (so its `sampled_fps` is that rate, which Qwen2.5-VL's processor turns into seconds
+    per patch; without it the processor takes 24 frames per second)."""
+    return [
+        {"fps": rate, "total_num_frames": len(frames), "frames_indices": list(range(len(frames)))}
+        for frames, rate in zip(videos, fps, strict=True)
+    ]
 
 
 def media_in_order(messages: list[dict], images: list[Any], videos: list[tuple[Any, int]]) -> list[tuple[Any, int]]:
@@ -318,11 +374,13 @@ MEDIA_PARTS = ("image", "video")
 
 
 def frames_as_images(sample: dict) -> dict:
-    """A decoded sample as a model that takes images sees its videos: each video part becomes one image part
-    per sampled frame, in place (the frames in time order, nothing pooled: a frame costs an image's tokens),
-    and `images` holds every image and frame in the order of their parts. A sample without videos, as it is."""
+    """A decoded sample as a model that takes images sees its videos: each video part becomes image parts in
+    place, its sampled frames tiled grid x grid into each (`tile_frames`; the sample's "video_grid",
+    data.video.grid), and `images` holds every image and tile in the order of their parts. A sample without
+    videos, as it is."""
     if not sample.get("videos"):
         return sample
+    grid = int(sample.get("video_grid", VideoSampling.grid))
     image_iter, video_iter = iter(sample["images"]), iter(sample["videos"])
     messages: list[dict] = []
     pictures: list[Image.Image] = []
@@ -330,16 +388,41 @@ def frames_as_images(sample: dict) -> dict:
         content = []
         for part in message["content"]:
             if part["type"] == "video":
-                frames = next(video_iter)
-                content += [{"type": "image"}] * len(frames)
-                pictures += frames
+                tiles = tile_frames(next(video_iter), grid)
+                content += [{"type": "image"}] * len(tiles)
+                pictures += tiles
             elif part["type"] == "image":
                 content.append(part)
                 pictures.append(next(image_iter))
             else:
                 content.append(part)
         messages.append({**message, "content": content})
-    return {**{k: v for k, v in sample.items() if k != "videos"}, "messages": messages, "images": pictures}
+    rest = {k: v for k, v in sample.items() if k not in ("videos", "video_fps", "video_grid")}
+    return {**rest, "messages": messages, "images": pictures}
+
+
+def tile_frames(frames: list[Image.Image], grid: int) -> list[Image.Image]:
+    """A video's frames as images of grid x grid frames each, in time order along each row, then down (the
+    image grids of IG-VLM): a model of images then sees grid^2 frames in one image, its vision tower
+    relating them (where a frame's content is, and when), at the cost of one image's tokens; the last
+    image's cells past the video's end black. A frame is 1/grid of the image's side once the processor
+    resizes it. grid 1: each frame an image of its own."""
+    if grid == 1:
+        return list(frames)
+    width, height = frames[0].size
+    per_image = grid * grid
+    tiles = []
+    for start in range(0, len(frames), per_image):
+        canvas = Image.new("RGB", (grid * width, grid * height))
+        for cell, frame in enumerate(frames[start : start + per_image]):
+            canvas.paste(frame, ((cell % grid) * width, (cell // grid) * height))
+        tiles.append(canvas)
+    return tiles
+
+
+def images_per_video(frames: int, grid: int) -> int:
+    """Images a video of `frames` sampled frames becomes where frames are tiled grid x grid (`tile_frames`)."""
+    return -(-frames // (grid * grid))
 
 
 def as_model_takes(sample: dict, processor: Any) -> dict:

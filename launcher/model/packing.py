@@ -25,6 +25,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from launcher.data.packing import REAL_TOKENS, RECORD_IMAGES, RECORD_LENGTHS, RECORD_VIDEOS
+from launcher.data.video import SECONDS_PER_PATCH
 from launcher.model.components import base_model
 
 
@@ -62,12 +63,22 @@ def packed_inputs(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
                     mm_token_type_ids=inputs["mm_token_type_ids"][row : row + 1, span],
                     image_grid_thw=grids[used : used + count] if count else None,
                     video_grid_thw=video_grids[used_videos : used_videos + video_count] if video_count else None,
+                    **_video_times(inputs, used_videos, video_count),
                 )
                 rotary[:, row, span] = positions[:, 0].to(rotary.dtype).cpu()
                 used, used_videos = used + count, used_videos + video_count
             start += length
     inputs["position_ids"] = torch.cat([text[None], rotary]).to(inputs["input_ids"].device)
     return inputs
+
+
+def _video_times(inputs: dict[str, Any], used: int, count: int) -> dict[str, Any]:
+    """A record's videos' seconds per temporal patch (the Qwen2.5-VL family's get_rope_index takes them;
+    Qwen2-VL's has no such argument, and its batches no such key)."""
+    seconds = inputs.get(SECONDS_PER_PATCH)
+    if seconds is None or not count:
+        return {}
+    return {SECONDS_PER_PATCH: seconds[used : used + count]}
 
 
 def _text_attention(model: nn.Module) -> str:

@@ -54,9 +54,10 @@ class ModelStats:
     vision_tokens: int  # vision-tower tokens per image
     image_tokens: int  # language-model tokens per image
     projector_width: int  # elements the projector keeps per language-model image token
-    # Frames of a video in each of its patches: the Qwen2-VL family takes a video as a video, its frames paired
-    # (temporal_patch_size 2), so a video costs an image's tokens per pair; a model of images, 1 (a frame each).
-    frames_per_patch: int = 1
+    # Frames of a video per image's tokens and vision-tower work: the Qwen2-VL family takes a video as a video,
+    # its frames paired in each patch (temporal_patch_size 2); a model of images takes them tiled
+    # data.video.grid x grid into each image (launcher.data.video.tile_frames; grid 1: a frame each).
+    frames_per_image: int = 1
     load_bytes: int = 4  # bytes per parameter of the checkpoint as it is loaded into CPU memory
     checkpointed: tuple[str, ...] = ()  # components whose layers are checkpointed: language, vision
     method: str = "full"  # what trains: full, lora, qlora (adapters: `trainable` counts them)
@@ -208,7 +209,9 @@ def _stats(cfg: Config, config, model, counts: dict[str, int], freeze: dict[str,
         vision_tokens=vision_tokens,
         image_tokens=image_tokens,
         projector_width=2 * (vision_hidden * merge * merge + text.hidden),
-        frames_per_patch=int(getattr(vision_config, "temporal_patch_size", 1) or 1) if merge > 1 else 1,
+        frames_per_image=(
+            int(getattr(vision_config, "temporal_patch_size", 1) or 1) if merge > 1 else int(cfg.data.video.grid) ** 2
+        ),
         load_bytes=_dtype_bytes(getattr(config, "dtype", None)),
         method=str(cfg.method.name),
         loss_chunk=int(cfg.loss.chunk_tokens),
@@ -275,13 +278,14 @@ def sequence(cfg: Config, stats: ModelStats) -> tuple[int, int]:
     set: a batch is padded to its longest sample and no sample is longer, so a job's memory is bounded by it
     (a plan.text_tokens given as well is planned, up to data.max_length); else plan.text_tokens (default 512,
     or 32 for tiny models, whose built-in conversations are about 15 text tokens) plus the image tokens of
-    plan.images_per_sample images. Each of plan.videos_per_sample videos counts as data.video.max_frames
-    images where its frames train as images (LLaVA: launcher.data.video.frames_as_images), as
-    max_frames / temporal_patch_size images where the model takes videos (the Qwen2-VL family pairs frames
-    in its patches: the tokens and the vision tower's work of one image per pair).
+    plan.images_per_sample images. Each of plan.videos_per_sample videos counts as data.video.max_frames /
+    data.video.grid^2 images where its frames train tiled into images (LLaVA:
+    launcher.data.video.frames_as_images), as max_frames / temporal_patch_size images where the model takes
+    videos (the Qwen2-VL family pairs frames in its patches: the tokens and the vision tower's work of one
+    image per pair).
     """
     plan = cfg.plan
-    per_video = -(-int(cfg.data.video.max_frames) // stats.frames_per_patch)
+    per_video = -(-int(cfg.data.video.max_frames) // stats.frames_per_image)
     images = int(plan.images_per_sample) + int(plan.videos_per_sample) * per_video
     if plan.seq_len:
         return int(plan.seq_len), images

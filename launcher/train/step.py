@@ -30,6 +30,7 @@ from launcher.core.errors import TrainingFailed
 from launcher.core.rundir import RunDir
 from launcher.core.scopes import scope
 from launcher.data.packing import REAL_TOKENS, RECORD_LENGTHS
+from launcher.data.video import SECONDS_PER_PATCH
 from launcher.model.flops import FlopModel
 from launcher.model.packing import packed_inputs
 from launcher.train.distributed import Rank, all_reduce_sum
@@ -233,12 +234,13 @@ def loss_scale(optimizer: Any) -> float:
 
 
 def to_device(batch: dict[str, Any], device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    """Move tensors to the device; floating inputs (pixels) take the engine's training dtype."""
+    """Move tensors to the device; floating inputs (pixels) take the engine's training dtype (not a video's
+    seconds per temporal patch: Qwen2.5-VL's time index, fp32 as its processor makes them)."""
     moved = {}
     for key, value in batch.items():
         if isinstance(value, torch.Tensor):
             value = value.to(device, non_blocking=True)
-            if value.is_floating_point():
+            if value.is_floating_point() and key != SECONDS_PER_PATCH:
                 value = value.to(dtype)
         moved[key] = value
     return moved

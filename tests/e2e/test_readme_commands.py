@@ -79,10 +79,10 @@ PLANNED: list[tuple[str, str, Callable[[list[dict[str, Any]]], bool]]] = [
         lambda dicts: len(dicts) == 1,
     ),
     (
-        "train.py data.task=motion model=tiny_qwen2_vl",
-        "tests/unit/train/test_loaders.py trains video records on tiny_qwen2_vl (with the data cache and without, "
-        "DPO too); bench/video_data.py --learn measures this command learning (BENCHMARKS.md); here its clips are "
-        "drawn and the job planned",
+        "train.py data.task=motion",
+        "tests/unit/train/test_loaders.py trains video records on both tiny families (with the data cache and "
+        "without, DPO too); bench/video_data.py --learn measures this command learning (BENCHMARKS.md); here its "
+        "clips are drawn and the job planned",
         lambda dicts: len(dicts) == 1,
     ),
     (

@@ -132,6 +132,7 @@ def test_a_length_in_epochs_alone_is_in_range():
         ),
         (["data.video.max_pixels=10"], "data.video.max_pixels=10 must be at least 64"),
         (["data.video.max_seconds=0"], "data.video.max_seconds=0.0 must be a positive length, or null"),
+        (["data.video.grid=0"], "data.video.grid=0 must be positive"),
         (["plan.videos_per_sample=-1"], "plan.videos_per_sample=-1 must be at least 0"),
     ],
 )

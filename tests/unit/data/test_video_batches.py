@@ -5,6 +5,7 @@ packed video records keep the losses they have alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
 
 from launcher.data.cache import IMAGE_BYTES, IMAGE_LENGTHS, VIDEO_FRAMES, CachedDataset, RecordEncoder, ensure_cache
 from launcher.data.collate import Collator
@@ -19,9 +21,18 @@ from launcher.data.formats import ReadOptions, read_records
 from launcher.data.length import IGNORE_INDEX, LengthLimit, RecordTooLong, fit_to_length, one_row, pad_rows
 from launcher.data.packing import RECORD_LENGTHS, PackedCollator
 from launcher.data.records import ConversationDataset
-from launcher.data.video import VideoSampling, frames_as_images, takes_videos, video_inputs, write_video
+from launcher.data.video import (
+    VideoSampling,
+    frames_as_images,
+    takes_videos,
+    tile_frames,
+    video_inputs,
+    write_video,
+)
+from launcher.model.loading import load_model_and_processor, without_video_processor
 from launcher.model.packing import packed_inputs
-from tests.unit.data.samples import write_image
+from launcher.model.tiny import build_tiny_model_dir
+from tests.unit.data.samples import SIZES, VOCABULARY, write_image
 from tests.unit.model.test_packing import record_losses
 
 SAMPLING = VideoSampling(fps=2, min_frames=2, max_frames=4, max_pixels=None)
@@ -70,18 +81,32 @@ def test_a_sample_keeps_its_video_parts_with_their_sampled_frames(video_records)
 
 
 def test_for_a_model_of_images_a_video_becomes_its_frames_placed_as_images_where_it_was(video_records):
-    dataset = ConversationDataset(video_records, SAMPLING)
+    """data.video.grid=1: each frame an image, in place; the default 2: the 4 frames tiled 2 x 2 into one."""
+    dataset = ConversationDataset(video_records, dataclasses.replace(SAMPLING, grid=1))
     image_only, both = dataset[0], dataset[2]
     assert frames_as_images(image_only) is image_only
     seen = frames_as_images(both)
     assert [part["type"] for part in seen["messages"][0]["content"]] == ["image"] * 4 + ["text", "image", "text"]
-    assert seen["images"][:4] == both["videos"][0] and "videos" not in seen
+    assert seen["images"][:4] == both["videos"][0] and "videos" not in seen and "video_grid" not in seen
     assert seen["images"][4].size == image_only["images"][0].size  # the image after the frames is the image
+    tiled = frames_as_images(ConversationDataset(video_records, SAMPLING)[2])
+    assert [part["type"] for part in tiled["messages"][0]["content"]] == ["image", "text", "image", "text"]
+    assert tiled["images"][0].size == (64, 64) and tiled["images"][1].size == image_only["images"][0].size
+
+
+def test_frames_tile_in_time_order_along_rows_and_the_last_tile_is_filled_with_black():
+    frames = [Image.new("RGB", (3, 2), (10 * k, 0, 0)) for k in range(1, 6)]
+    tiles = tile_frames(frames, 2)
+    assert [tile.size for tile in tiles] == [(6, 4)] * 2
+    first, last = np.asarray(tiles[0]), np.asarray(tiles[1])
+    assert [first[0, 0, 0], first[0, 3, 0], first[2, 0, 0], first[2, 3, 0]] == [10, 20, 30, 40]
+    assert last[0, 0, 0] == 50 and not last[0, 3:].any() and not last[2:].any()
+    assert tile_frames(frames, 1) == frames and tile_frames(frames, 3)[0].size == (9, 6)
 
 
 def test_each_family_takes_a_video_its_own_way(video_records, model_and_processor):
     """Qwen2-VL: the video's frames paired in temporal patches, its tokens t x h x w / 4 (8 for 4 frames of
-    4 x 4 patches), counted as video tokens; LLaVA: 4 images of its image tokens each."""
+    4 x 4 patches), counted as video tokens; LLaVA: its 4 frames tiled into one image (data.video.grid 2)."""
     model, processor = model_and_processor
     sample = ConversationDataset(video_records, SAMPLING)[1]
     batch = Collator(processor)([sample])
@@ -90,7 +115,7 @@ def test_each_family_takes_a_video_its_own_way(video_records, model_and_processo
         assert int((batch["input_ids"] == processor.video_token_id).sum()) == 8
         assert int((batch["mm_token_type_ids"] == 2).sum()) == 8
     else:
-        assert len(batch["pixel_values"]) == 4 and "pixel_values_videos" not in batch
+        assert len(batch["pixel_values"]) == 1 and "pixel_values_videos" not in batch
     answer = batch["input_ids"][0][batch["labels"][0] != IGNORE_INDEX]
     assert processor.tokenizer.decode(answer).strip().startswith("right")
     with torch.no_grad():
@@ -206,3 +231,88 @@ def test_a_cut_keeps_whole_videos_and_drops_those_past_it(video_records, model_a
     for name, value in alone.items():
         if name in ("pixel_values", "pixel_values_videos", "video_grid_thw"):
             assert torch.equal(cut[name], value), name  # the first video's, whole; none of the second's
+
+
+# ----------------------------------------------------------------------------- Qwen2.5-VL: videos in time
+@pytest.fixture(scope="module")
+def qwen2_5_vl(tmp_path_factory):
+    """A tiny Qwen2.5-VL (windowed vision attention; a video's patches placed in absolute time): the tiny
+    Qwen2-VL's tokenizer and image processor under Qwen2.5-VL's processor class, a model of its shape."""
+    out = build_tiny_model_dir("tiny_qwen2_vl", tmp_path_factory.mktemp("qwen2_5"), VOCABULARY, seed=0, **SIZES)
+    base, processor = load_model_and_processor(str(out))
+    vision = base.config.vision_config
+    config = Qwen2_5_VLConfig(
+        text_config=base.config.text_config.to_dict(),
+        vision_config={
+            "depth": vision.depth, "hidden_size": vision.embed_dim, "out_hidden_size": vision.hidden_size,
+            "intermediate_size": 4 * vision.embed_dim, "num_heads": vision.num_heads, "patch_size": vision.patch_size,
+            "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 2 * vision.patch_size,
+            "fullatt_block_indexes": [vision.depth - 1], "tokens_per_second": 4,
+        },
+        **{key: getattr(base.config, key) for key in
+           ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    made = without_video_processor(Qwen2_5_VLProcessor)(
+        image_processor=processor.image_processor, tokenizer=processor.tokenizer, chat_template=processor.chat_template
+    )
+    return model, made
+
+
+def test_qwen2_5_vl_places_each_video_in_time_at_its_sampled_rate(video_records, qwen2_5_vl, tmp_path):
+    """right.mp4 is 2 s, sampled at 2 frames a second: 1 s per temporal patch of 2 frames; left.mp4 is 3 s,
+    4 frames (max_frames): 1.5 s per patch. The rotary time index moves tokens_per_second x that per patch,
+    with the data cache or without it; a cut that drops a video drops its seconds."""
+    model, processor = qwen2_5_vl
+    dataset = ConversationDataset(video_records, SAMPLING)
+    assert dataset[1]["video_fps"] == [2.0] and dataset[2]["video_fps"] == [pytest.approx(4 / 3)]
+    batch = Collator(processor)([dataset[1], dataset[2]])
+    assert batch["second_per_grid_ts"].tolist() == pytest.approx([1.0, 1.5])
+    positions, _ = model.model.get_rope_index(
+        batch["input_ids"][1:], mm_token_type_ids=batch["mm_token_type_ids"][1:],
+        video_grid_thw=batch["video_grid_thw"][1:], image_grid_thw=batch["image_grid_thw"],
+        second_per_grid_ts=batch["second_per_grid_ts"][1:], attention_mask=batch["attention_mask"][1:],
+    )  # fmt: skip
+    times = positions[0, 0][batch["mm_token_type_ids"][1] == 2]  # the time axis, over the video's tokens
+    steps = times.unique()
+    assert len(steps) == 2 and int(steps[1] - steps[0]) == int(4 * 1.5)  # tokens_per_second x seconds per patch
+    # The data cache remakes them with the pixels; a cut after the first answer keeps only the first video's.
+    encode = RecordEncoder(processor, None, "encoded", SAMPLING)
+    info = ensure_cache(
+        tmp_path, video_records, processor, "tiny", encode, dataset.__getitem__, on_bad_record="error", num_workers=0
+    )
+    cached = CachedDataset(info.path, processor)
+    assert cached[2]["tensors"]["second_per_grid_ts"].tolist() == pytest.approx([1.5])
+    with torch.no_grad():
+        assert torch.isfinite(model(**batch).loss)
+    video, question = {"type": "video"}, {"type": "text", "text": "which way?"}
+    answer = {"type": "text", "text": " ".join(["right"] * 20)}  # the first answer: room for its tokens
+    messages = [{"role": "user", "content": [video, question]}, {"role": "assistant", "content": [answer]}] * 2
+    two = {"id": "two", "where": "two", "images": [], "messages": messages, "video_fps": [2.0, 4 / 3],
+           "videos": [dataset[1]["videos"][0], dataset[2]["videos"][0]]}  # fmt: skip
+    row = one_row(Collator(processor).labelled([two]))
+    assert row["second_per_grid_ts"].tolist() == pytest.approx([1.0, 1.5])
+    answers = (row["labels"] != IGNORE_INDEX).nonzero().flatten()
+    first_end = int(answers[int(((answers[1:] - answers[:-1]) > 1).nonzero()[0])]) + 1
+    cut, _ = fit_to_length(row, LengthLimit(first_end + 3), processor)
+    assert cut["second_per_grid_ts"].tolist() == [1.0] and len(cut["video_grid_thw"]) == 1
+
+
+def test_qwen2_5_vl_packed_video_records_have_the_losses_they_have_alone(video_records, qwen2_5_vl):
+    """Each packed record's rotary index takes its own videos' seconds per patch."""
+    model, processor = qwen2_5_vl
+    encode = RecordEncoder(processor, None, "pixels", SAMPLING)
+    dataset = ConversationDataset(video_records, SAMPLING)
+    tensors = [encode(dataset[index])[0] for index in range(len(video_records))]
+    pad = processor.tokenizer.pad_token_id
+    with torch.no_grad():
+        alone = [float(model(**pad_rows([t], pad)).loss) for t in tensors]
+        rows = [[1, 2, 0, 3]]
+        batch = PackedCollator(processor)([[{"tensors": tensors[i]} for i in row] for row in rows])
+        assert batch["second_per_grid_ts"].tolist() == pytest.approx([1.0, 1.5])
+        inputs = packed_inputs(model, batch)
+        logits = model(**inputs).logits
+        packed = record_losses(logits[0], inputs["labels"][0], batch[RECORD_LENGTHS][0])
+    for index, loss in zip(rows[0], packed, strict=True):
+        assert loss == pytest.approx(alone[index], rel=1e-5), index

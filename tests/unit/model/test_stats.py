@@ -162,20 +162,25 @@ def test_the_sequence_planned_per_sample():
     assert sequence(packed, stats) == (4096, 4096 // (512 + 16))
     assert sequence(with_plan(packed, images_per_sample=2, text_tokens=100), stats) == (4096, 2 * (4096 // 132))
     assert sequence(with_plan(packed, text_tokens=8000), stats) == (4096, 1)  # one record fills the row
-    # A video: data.video.max_frames frames, each planned as an image (as it trains, LLaVA); for a model that
-    # pairs frames in its patches (the Qwen2-VL family), an image per pair (7 frames: 4 pairs, the last filled).
+    # A video: data.video.max_frames frames, each planned as an image where a model of images takes a frame
+    # an image (data.video.grid=1); tiled 2 x 2, an image per 4 frames; for a model that pairs frames in its
+    # patches (the Qwen2-VL family), an image per pair (7 frames: 4 pairs, the last filled).
     video = dataclasses.replace(pretrained.data, video=dataclasses.replace(pretrained.data.video, max_frames=8))
     clips = with_plan(dataclasses.replace(pretrained, data=video), images_per_sample=1, videos_per_sample=2)
     assert sequence(clips, stats) == (512 + 17 * 16, 17)
-    paired = dataclasses.replace(stats, frames_per_patch=2)
+    assert sequence(clips, dataclasses.replace(stats, frames_per_image=4)) == (512 + 5 * 16, 5)
+    paired = dataclasses.replace(stats, frames_per_image=2)
     assert sequence(clips, paired) == (512 + 9 * 16, 9)
     odd = dataclasses.replace(video, video=dataclasses.replace(video.video, max_frames=7))
     assert sequence(dataclasses.replace(clips, data=odd), paired) == (512 + 9 * 16, 9)
 
 
-def test_the_planner_reads_how_many_frames_a_patch_holds():
-    assert model_stats.model_stats(compose_typed(["model=qwen2_vl_2b"])).frames_per_patch == 2
-    assert model_stats.model_stats(compose_typed(["model=llava_1_5_7b"])).frames_per_patch == 1
+def test_the_planner_reads_how_many_frames_an_image_holds():
+    """Qwen2-VL: its temporal patch (2), whatever data.video.grid says; LLaVA: the grid's frames per image."""
+    stats_of = model_stats.model_stats
+    assert stats_of(compose_typed(["model=qwen2_vl_2b", "data.video.grid=3"])).frames_per_image == 2
+    assert stats_of(compose_typed(["model=llava_1_5_7b"])).frames_per_image == 4  # data.video.grid's default, 2
+    assert stats_of(compose_typed(["model=llava_1_5_7b", "data.video.grid=1"])).frames_per_image == 1
 
 
 def test_the_fewest_tokens_an_image_takes():

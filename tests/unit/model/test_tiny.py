@@ -127,3 +127,16 @@ def test_a_very_long_word_is_cut_before_the_tokenizer_trains_on_it():
     assert max(len(word) for piece in corpus for word in piece.split()) == MAX_WORD_CHARS
     assert "x" * MAX_WORD_CHARS + " and more" in corpus and " red" in corpus and " USER:" in corpus
     assert " \nwhat colour?\n\nred" in corpus  # whitespace, newlines included, stays as the texts have it
+
+
+def test_the_tiny_llava_sees_the_built_in_clips_at_64_px_a_frame():
+    """model.image_size's default for tiny_llava: the built-in images' 32 px, or on the motion task a
+    data.video.grid x grid tile of 64 px frames; a given model.image_size wins; the tiny Qwen2-VL (which takes
+    videos as videos) keeps 32."""
+    side = {
+        "": 32, "data.task=motion": 128, "data.task=motion data.video.grid=1": 64,
+        "data.task=motion data.video.grid=3": 192, "data.task=motion model.image_size=64": 64,
+        "data.task=motion model=tiny_qwen2_vl": 32, "data=llava_json data.path=x.json": 32,
+    }  # fmt: skip
+    for overrides, expected in side.items():
+        assert compose_typed(overrides.split()).model.image_size == expected, overrides
