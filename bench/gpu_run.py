@@ -94,10 +94,11 @@ def space(preset: str, micro: str, checkpointing: str, batching: str, pack: int 
 
 
 def gpu_phases() -> list[Phase]:
-    # Every part trains; the recipes' own accumulation gives way to the global batch each phase names.
+    # Every part trains; the recipes' own accumulation gives way to the global batch each phase names, and their
+    # length in epochs to one in steps (a packed job cannot count epochs: its best.yaml would not run).
     # Each row measured once (tune.confirm_runs=0): the lease is short, and a GPU to itself is a quiet machine.
     base = ("model.source=random", "model.freeze_vision=false", "tune.precisions=[bf16]", "train.grad_accum=null",
-            "tune.confirm_runs=0")  # fmt: skip
+            "train.max_steps=1000", "tune.confirm_runs=0")  # fmt: skip
     two_b, seven_b = ("model=qwen2_vl_2b", *base), ("model=qwen2_5_vl_7b", *base)
     qwen2, qwen25 = "Qwen2-VL-2B", "Qwen2.5-VL-7B"
     return [
@@ -132,7 +133,7 @@ def cpu_phases(small: dict[str, Path]) -> list[Phase]:
     """The rehearsal: each GPU phase's path on shrunk configs, fp32, short rows (z2's and z3_7b's paths are
     the packing phase's with another ZeRO stage: left out to keep the rehearsal short)."""
     base = ("model.source=random", "model.freeze_vision=false", "tune.precisions=[fp32]", "train.grad_accum=null",
-            "tune.warmup_steps=1", "tune.measure_steps=1", "tune.confirm_runs=0")  # fmt: skip
+            "train.max_steps=1000", "tune.warmup_steps=1", "tune.measure_steps=1", "tune.confirm_runs=0")  # fmt: skip
     two_b = ("model=qwen2_vl_2b", f"model.path={small['qwen2_vl'].parent}", *base)
     seven_b = ("model=qwen2_5_vl_7b", f"model.path={small['qwen2_5_vl'].parent}", *base)
     qwen2, qwen25 = "Qwen2-VL-2B (shrunk)", "Qwen2.5-VL-7B (shrunk)"

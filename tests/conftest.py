@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.train.ops import extensions_dir
 from tests.helpers import QUICK, Ran, one_rank_group, run_here, run_train_py, subprocess_env, train_here
 
 # One cache for every job the tests run, in this process or as a subprocess (tests/helpers.subprocess_env):
@@ -23,6 +24,10 @@ from tests.helpers import QUICK, Ran, one_rank_group, run_here, run_train_py, su
 # resumes run as subprocesses, hence another data cache key, and four resumes failed ("the training data
 # changed").
 os.environ["VLM_LAUNCHER_CACHE"] = str(Path(__file__).resolve().parents[1] / "outputs" / "cache")
+# One folder of DeepSpeed's JIT-built ops for every process the tests start, the benchmarks they run included
+# (bench/_common.py gives benchmarks a folder of their own unless one is set): on a fresh machine the suite
+# built shm_comm in both folders, about a minute each time.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
 
 
 @pytest.fixture

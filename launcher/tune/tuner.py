@@ -52,7 +52,7 @@ from launcher.core.overrides import override_key
 from launcher.core.rundir import RunDir
 from launcher.core.signals import STOP_SIGNALS, handling, name
 from launcher.job.checks import check_data
-from launcher.job.planning import plan_job
+from launcher.job.planning import plan_job, training_length
 from launcher.job.spec import HydraJob, Job
 from launcher.launch.base import TRAIN_SCRIPT
 from launcher.model.stats import heaviest_stage, model_stats, pack_length, sequence
@@ -264,6 +264,9 @@ def _planned(base: list[str], candidate: Any, global_batch: int, target: Target)
     try:
         candidate_cfg = typed(compose([*base, *candidate.overrides(global_batch)]))
         check_data(candidate_cfg.data)  # e.g. packing with a stream: refused as train.py would
+        # A length in epochs counted in steps as train.py counts it (the schedule's steps are in the DeepSpeed
+        # dict best.yaml must reproduce); a packed candidate of such a job is refused as train.py would.
+        candidate_cfg, _ = training_length(candidate_cfg)
         candidate_job = plan_job(candidate_cfg, HydraJob(run_dir=Path(".")), validate=False)
         result.planned, result.components = planned_memory(candidate_cfg, candidate_job, target)
         # As train.py writes it: credentials left out, JSON types.

@@ -47,6 +47,22 @@ def test_bad_tune_settings_are_one_line(args, code, message, tmp_path, capsys):
     assert not (tmp_path / "tune" / "tune.md").exists()
 
 
+def test_a_job_given_in_epochs_is_planned_in_its_steps_and_its_packed_candidates_are_refused(tmp_path):
+    """The recipes give their length in epochs (conf/recipe/): each candidate's DeepSpeed dict counts the
+    steps train.py counts, so best.yaml's dry run reproduces it; a packed job cannot count epochs, so its
+    candidates fail with train.py's own line instead of a pick whose best.yaml does not run."""
+    overrides = ["train.epochs=2", "train.micro_batch_size=4", "train.global_batch_size=8", "data.max_length=256",
+                 "tune.presets=[z0]", "tune.precisions=[fp32]", "tune.micro_batch_sizes=[4]",
+                 "tune.gradient_checkpointing=[false]", "tune.batching=[pad,pack]", f"tune.dir={tmp_path / 'tune'}",
+                 "logger=none"]  # fmt: skip
+    cfg = compose_typed(overrides)
+    assert cfg.train.max_steps is None
+    padded, packed = tuner._tuning(cfg, overrides).results
+    assert padded.status == "not run" and padded.planned
+    assert padded.ds_config["scheduler"]["params"]["total_num_steps"] == 2 * cfg.data.n_train // 8
+    assert packed.status == "failed" and packed.note.startswith("train.epochs with data.packing=true"), packed.note
+
+
 def test_the_candidates_are_planned_before_any_runs(tmp_path):
     overrides = ["train.micro_batch_size=8", "train.global_batch_size=16", "tune.presets=[z2]", "train.lr=3e-4",
                  "tune.precisions=[fp32]", "tune.micro_batch_sizes=[4,8,3]", "tune.gradient_checkpointing=[false]",
