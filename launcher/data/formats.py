@@ -157,6 +157,13 @@ class SkipTally:
             self.bad += 1
         self.entries.append(entry)
 
+    def merge(self, other: SkipTally) -> None:
+        """Count `other`'s records too (one split's, into the run's)."""
+        self.bad += other.bad
+        self.too_long += other.too_long
+        self.truncated += other.truncated
+        self.entries += other.entries
+
     def watch(self, on_change: Callable[[SkipTally, list[dict[str, Any]]], None]) -> None:
         """From now on `on_change` hears of every change (not of what the tally holds already)."""
         self.on_change = on_change

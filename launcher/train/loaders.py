@@ -1,13 +1,12 @@
 """One rank's data: its records, its loaders (training, held-out loss, exact match) and its place in them.
 
-With data.cache the records are tokenized once, every rank building its share of the cache, and
-training reads tensors (and decodes the images stored with them, in the DataLoader's workers). At
-ZeRO-3 with several ranks every batch runs the vision tower (a dummy image where a batch has none):
-otherwise ranks whose batches differ in modality hang. Records over
-data.max_length are cut or skipped alike with the cache or without it; rank 0 lists those skipped in
-RUN/skipped_records.jsonl. With data.streaming the training records are read from their shard files as
-training goes (launcher.data.stream): nothing is indexed or cached for them first, and each rank lists the
-rows it skips as it meets them.
+Each split's records reach their loader through launcher.data.splits, whichever kind of source they are:
+decoded per batch, read from the data cache (data.cache: every rank builds its share of it first), or
+streamed from shard files as training goes (data.streaming: nothing indexed or cached first). Here they
+are sampled, packed or paired, sharded by rank and made resumable. At ZeRO-3 with several ranks every batch
+runs the vision tower (a dummy image where a batch has none): otherwise ranks whose batches differ in
+modality hang. Records over data.max_length are cut or skipped alike whatever the kind; rank 0 lists those
+skipped in RUN/skipped_records.jsonl, and with a stream each rank lists the rows it skips as it meets them.
 """
 
 from __future__ import annotations
@@ -20,25 +19,23 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, DistributedSampler
 
 from launcher.core.children import helper_process
 from launcher.core.errors import LauncherError
 from launcher.core.logs import FILE_ONLY
 from launcher.core.rundir import RunDir
 from launcher.core.summary import Summary
-from launcher.data.cache import CachedCollator, CachedDataset, CacheInfo, Part, RecordEncoder, ensure_job_cache
-from launcher.data.collate import Collator, fit_records
-from launcher.data.formats import SkipTally, skipped_entry
-from launcher.data.index import Records, holds_videos
-from launcher.data.length import LengthLimit, unchanged
+from launcher.data.cache import CacheInfo, Part, ensure_job_cache
+from launcher.data.formats import SkipTally
+from launcher.data.index import Records
 from launcher.data.packing import PackedCollator, PackedRows
 from launcher.data.pairs import PairCollator, PairedRows
 from launcher.data.records import ConversationDataset, LoadedData, Source, read_data, require_one_global_batch
 from launcher.data.sampling import LengthGroupedSampler, MixtureSampler, PackedSampler
 from launcher.data.shapes import prepare_data
-from launcher.data.stream import RecordStream, StreamOrder, stream_files, stream_options, streamed_batches
-from launcher.data.video import VideoSampling, takes_videos
+from launcher.data.splits import ModalityGuard, Split, cached_split, decoded_split, streamed_batches_of
+from launcher.data.video import VideoSampling
 from launcher.job.planning import cache_dir
 from launcher.job.spec import Job
 from launcher.model.stats import pack_length
@@ -132,7 +129,7 @@ def build_data(
     images = data.modality_guard
     if images is None:
         images = zero_stage == 3 and rank.world_size > 1
-    guard = ModalityGuard(images, videos=images and _video_guard(processor, loaded, streaming=bool(data.streaming)))
+    guard = ModalityGuard.of(images, processor, (loaded.train, loaded.eval), streaming=bool(data.streaming))
     tally = SkipTally(bad=loaded.skipped, entries=list(loaded.skip_log))
     if data.streaming:
         built, train_cache = _streamed(job, rank, loaded.sources[0], processor, guard, tally), None
@@ -162,28 +159,6 @@ def build_data(
     return built
 
 
-@dataclass(frozen=True)
-class ModalityGuard:
-    """What the ZeRO-3 modality guard gives a batch that lacks it, so that every rank's forward calls the
-    vision tower as often: a blank image (`images`), a blank video (`videos`: a model that takes videos as
-    videos calls its tower once for a batch's images and once more for its videos)."""
-
-    images: bool
-    videos: bool = False
-
-    def args(self) -> dict[str, bool]:
-        """The collators' arguments."""
-        return {"image_every_batch": self.images, "video_every_batch": self.videos}
-
-
-def _video_guard(processor: Any, loaded: LoadedData, *, streaming: bool) -> bool:
-    """Whether batches need a blank video under the guard: the model takes videos as videos and the data
-    may hold one (a stream's rows are not known before training: it may)."""
-    if not takes_videos(processor):
-        return False
-    return streaming or any(holds_videos(split) for split in (loaded.train, loaded.eval) if split)
-
-
 def _indexed(
     job: Job,
     rank: Rank,
@@ -196,11 +171,11 @@ def _indexed(
     """The training data of records read (and indexed) before training, through the data cache or not."""
     micro = job.micro_batch
     split = _split(job, rank, processor, loaded.train, "train", guard, tally, stop)
-    train_set, collate, train_kept, train_cache = split
-    sources = train_set.sources if train_cache is not None else loaded.train.sources[train_kept]
+    train_set, collate, train_cache = split.dataset, split.collate, split.cache
+    sources = train_set.sources if train_cache is not None else loaded.train.sources[split.kept]
     pairs = None
     if job.config.data.pairs:  # preference pairs: an item, a record of the sampler, is a pair of rows
-        train_set, collate = _paired(rank, train_set, collate, train_kept, "train")
+        train_set, collate = _paired(rank, train_set, collate, split.kept, "train")
         pairs = PairSet(train_set, collate, train_cache.path.name if train_cache is not None else None)
     require_one_global_batch(len(train_set), micro, rank.world_size)  # decoding and length may drop records
     sampler = _sampler(job, rank, loaded, train_set, sources)
@@ -240,25 +215,12 @@ def _indexed(
 
 def _streamed(job: Job, rank: Rank, source: Source, processor: Any, guard: ModalityGuard, tally: SkipTally) -> Data:
     """The training data read from its shard files as training goes (data.streaming: launcher.data.stream)."""
-    data, micro, seed = job.config.data, job.micro_batch, int(job.config.train.seed)
-    files = tuple(stream_files(source.path))
-    order = StreamOrder(files, seed, rank.rank, rank.world_size, int(data.shuffle_block))
-    encode = RecordEncoder(processor, LengthLimit.of(data), "pixels")
-    position = DataPosition()
-
-    def rows() -> Iterator[Any]:  # made at the first batch: after a resume has set `position`
-        options = stream_options(source.options)
-        stream = RecordStream(order, options, encode, epoch=position.epoch, start=position.records)
-        loader_args = {**_loader_args(job, rank), "pin_memory": False}  # rows, not batches: nothing to pin
-        yield from DataLoader(
-            stream, batch_size=None, collate_fn=unchanged, generator=torch.Generator().manual_seed(seed), **loader_args
-        )
-
-    if rank.is_main:
-        how = "its own files" if order.by_file else "every file, every world-th row"
-        log.info("data: streaming %d file(s) from %s (each rank reads %s)", len(files), source.path, how)
-    collate = CachedCollator(processor, **guard.args())
-    streamed = streamed_batches(rows(), position, micro, collate, str(data.on_bad_record), tally)
+    micro, position = job.micro_batch, DataPosition()
+    streamed = streamed_batches_of(
+        job.config.data, source, processor, guard,
+        place=(int(job.config.train.seed), rank.rank, rank.world_size), micro=micro, position=position,
+        skips=tally, loader_args=_loader_args(job, rank),
+    )  # fmt: skip
     return Data(batches=streamed, position=position, sampler=None, micro=micro, world_size=rank.world_size)
 
 
@@ -350,7 +312,8 @@ def _held_out(
     """The held-out loss loader, this rank's exact-match samples (None without data.eval_accuracy), and the
     held-out pairs (None unless data.pairs)."""
     data = job.config.data
-    eval_set, collate, kept, cache = _split(job, rank, processor, records, "eval", guard, tally, stop)
+    split = _split(job, rank, processor, records, "eval", guard, tally, stop)
+    eval_set, collate, kept, cache = split.dataset, split.collate, split.kept, split.cache
     pairs = None
     if data.pairs:  # the held-out pairs; exact match asks for each pair's chosen answer
         eval_set, collate = _paired(rank, eval_set, collate, kept, "eval")
@@ -380,36 +343,20 @@ def _split(
     guard: ModalityGuard,
     tally: SkipTally,
     stop: Callable[[], bool],
-) -> tuple[Any, Any, Sequence[int], CacheInfo | None]:
-    """(dataset, collate function, the positions of the records that train, the cache's CacheInfo or None)
-    of one split, through the data cache or not, under data.max_length: both ways cut and skip the same
-    records."""
-    data = job.config.data
-    limit = LengthLimit.of(data)
-    if data.cache:
-        dataset, info = _cached(job, rank, processor, records, stop)
-        tally.bad += info.skipped
-        tally.too_long += info.too_long
-        tally.truncated += info.truncated
-        tally.entries += [{"split": split, **entry} for entry in info.skip_log]
-        kept = dataset.indices  # those that decoded and fit
-        return dataset, CachedCollator(processor, **guard.args()), kept, info
-    video = VideoSampling.of(data.video)
-    report = fit_records(records, processor, limit, num_workers=int(data.num_workers), video=video)
-    tally.too_long += len(report.skipped)
-    tally.truncated += report.cut
-    for index, reason in report.skipped:
-        record = records[index]
-        entry = skipped_entry(record.get("file", ""), record.get("index", index), reason)
-        tally.entries.append({"split": split, **entry})
-    kept = Subset(records, report.kept) if len(report.kept) < len(records) else records
-    collate = Collator(processor, limit=limit, **guard.args())
-    return ConversationDataset(kept, video), collate, report.kept, None
+) -> Split:
+    """One split through the data cache or decoded per batch (launcher.data.splits), under data.max_length:
+    both cut and skip the same records, counted in `tally`."""
+    if job.config.data.cache:
+        built = cached_split(_cache(job, rank, processor, records, stop), processor, guard, split)
+    else:
+        built = decoded_split(job.config.data, processor, records, guard, split)
+    tally.merge(built.skips)
+    return built
 
 
-def _cached(job: Job, rank: Rank, processor: Any, records: Records, stop: Callable[[], bool]) -> tuple[Any, CacheInfo]:
-    """The records as a CachedDataset; every rank builds its share of a missing cache (launcher.data.cache),
-    and all stop it together when one was asked to stop."""
+def _cache(job: Job, rank: Rank, processor: Any, records: Records, stop: Callable[[], bool]) -> CacheInfo:
+    """The records' data cache: every rank builds its share of a missing one (launcher.data.cache), and all
+    stop it together when one was asked to stop."""
     part = Part(rank.rank, rank.world_size, barrier, stop_wanted=stop, any_rank=partial(any_rank, device=rank.device))
     info = ensure_job_cache(job.config.data, cache_dir(job.config), str(job.model_path), processor, records, part)
     if rank.is_main:
@@ -422,7 +369,7 @@ def _cached(job: Job, rank: Rank, processor: Any, records: Records, stop: Callab
             info.bytes / 2**20,
             extra={} if info.built else FILE_ONLY,  # a build took a while: the terminal says so
         )
-    return CachedDataset(info.path, processor), info
+    return info
 
 
 def _report_skipped(job: Job, run_dir: RunDir, tally: SkipTally) -> None:
