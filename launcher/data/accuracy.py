@@ -6,7 +6,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from launcher.data.collate import PromptCollator
-from launcher.data.video import SECONDS_PER_PATCH
+from launcher.data.video import takes_model_dtype
 
 
 def normalize_answer(text: str) -> str:
@@ -41,7 +41,10 @@ def exact_match_accuracy(
     correct = total = 0
     try:
         for batch, answers in loader:
-            batch = {key: _on_model(key, value, model) for key, value in batch.items()}
+            batch = {
+                key: value.to(model.device, model.dtype if takes_model_dtype(key, value) else None)
+                for key, value in batch.items()
+            }
             generated = model.generate(
                 **batch,
                 max_new_tokens=max_new_tokens,
@@ -56,9 +59,3 @@ def exact_match_accuracy(
     finally:
         model.train(was_training)
     return correct, total
-
-
-def _on_model(key: str, value: torch.Tensor, model) -> torch.Tensor:
-    """A batch tensor on the model's device; pixels in its dtype (a video's seconds per patch stay fp32)."""
-    floating = value.is_floating_point() and key != SECONDS_PER_PATCH
-    return value.to(model.device, model.dtype if floating else None)

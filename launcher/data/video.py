@@ -338,6 +338,13 @@ def video_pixels(processor: Any, videos: list[list[Image.Image]], fps: list[floa
 SECONDS_PER_PATCH = "second_per_grid_ts"
 
 
+def takes_model_dtype(key: str, value: Any) -> bool:
+    """Whether a batch tensor goes to the model in its dtype (bf16 where it trains in bf16): floating inputs,
+    the pixels, do; a video's seconds per temporal patch stay fp32, as the processor makes them (the rotary
+    time index multiplies them)."""
+    return value.is_floating_point() and key != SECONDS_PER_PATCH
+
+
 def seconds_per_patch(processor: Any, fps: list[float]) -> list[float] | None:
     """Seconds of video one temporal patch spans, per video sampled at `fps` frames per second: where the
     model places a video's patches in absolute time (the Qwen2.5-VL family: its rotary time index moves

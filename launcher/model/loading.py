@@ -119,12 +119,12 @@ def without_video_processor(processor_class: type) -> type:
         def _process_videos(self, videos, **kwargs):
             # Without a video processor the launcher's own makes the pixels (the image processor's resize and
             # normalisation, frames paired into temporal patches): the processor still expands the tokens.
-            from launcher.data.video import SECONDS_PER_PATCH, seconds_per_patch, video_inputs
+            from launcher.data.video import SECONDS_PER_PATCH, VideoSampling, seconds_per_patch, video_inputs
 
             processed = video_inputs(self.image_processor, videos)
             # The Qwen2.5-VL family's seconds per temporal patch, from each video's rate (as its own
             # processor computes them from the same metadata).
-            metadata = kwargs.get("video_metadata") or [{"fps": 2.0}] * len(videos)
+            metadata = kwargs.get("video_metadata") or [{"fps": VideoSampling.fps}] * len(videos)
             seconds = seconds_per_patch(self, [float(entry["fps"]) for entry in metadata])
             if seconds is not None:
                 processed[SECONDS_PER_PATCH] = seconds

@@ -30,7 +30,7 @@ from launcher.core.errors import TrainingFailed
 from launcher.core.rundir import RunDir
 from launcher.core.scopes import scope
 from launcher.data.packing import REAL_TOKENS, RECORD_LENGTHS
-from launcher.data.video import SECONDS_PER_PATCH
+from launcher.data.video import takes_model_dtype
 from launcher.model.flops import FlopModel
 from launcher.model.packing import packed_inputs
 from launcher.train.distributed import Rank, all_reduce_sum
@@ -240,7 +240,7 @@ def to_device(batch: dict[str, Any], device: torch.device, dtype: torch.dtype) -
     for key, value in batch.items():
         if isinstance(value, torch.Tensor):
             value = value.to(device, non_blocking=True)
-            if value.is_floating_point() and key != SECONDS_PER_PATCH:
+            if takes_model_dtype(key, value):
                 value = value.to(dtype)
         moved[key] = value
     return moved

@@ -172,16 +172,17 @@ def test_the_cache_keeps_each_video_file_and_gives_the_batch_the_records_make_al
             assert torch.equal(value, alone[name][0] if value.dim() == alone[name].dim() - 1 else alone[name]), name
 
 
-def test_packed_video_records_have_the_losses_they_have_alone(video_records, model_and_processor):
-    model, processor = model_and_processor
-    model.eval()
+def packed_losses_equal_alone(model, processor, records: list[dict], packings: list[list[list[int]]]) -> list[dict]:
+    """Each packing (rows of record numbers) collated and run: every packed record's loss equals its loss
+    alone (1e-5). The packed batches, for what else a test checks of them."""
     encode = RecordEncoder(processor, None, "pixels", SAMPLING)
-    dataset = ConversationDataset(video_records, SAMPLING)
-    tensors = [encode(dataset[index])[0] for index in range(len(video_records))]
+    dataset = ConversationDataset(records, SAMPLING)
+    tensors = [encode(dataset[index])[0] for index in range(len(records))]
     pad = processor.tokenizer.pad_token_id
+    batches = []
     with torch.no_grad():
         alone = [float(model(**pad_rows([t], pad)).loss) for t in tensors]
-        for rows in ([[0, 1, 2, 3]], [[2, 0], [3, 1]]):
+        for rows in packings:
             batch = PackedCollator(processor)([[{"tensors": tensors[i]} for i in row] for row in rows])
             inputs = packed_inputs(model, batch)
             logits = model(**inputs).logits
@@ -189,6 +190,14 @@ def test_packed_video_records_have_the_losses_they_have_alone(video_records, mod
                 packed = record_losses(logits[number], inputs["labels"][number], batch[RECORD_LENGTHS][number])
                 for index, loss in zip(row, packed, strict=True):
                     assert loss == pytest.approx(alone[index], rel=1e-5), (rows, index)
+            batches.append(batch)
+    return batches
+
+
+def test_packed_video_records_have_the_losses_they_have_alone(video_records, model_and_processor):
+    model, processor = model_and_processor
+    model.eval()
+    packed_losses_equal_alone(model, processor, video_records, [[[0, 1, 2, 3]], [[2, 0], [3, 1]]])
 
 
 def test_a_video_too_long_for_data_max_length_is_named_with_the_frame_knobs(video_records, model_and_processor):
@@ -302,17 +311,5 @@ def test_qwen2_5_vl_places_each_video_in_time_at_its_sampled_rate(video_records,
 def test_qwen2_5_vl_packed_video_records_have_the_losses_they_have_alone(video_records, qwen2_5_vl):
     """Each packed record's rotary index takes its own videos' seconds per patch."""
     model, processor = qwen2_5_vl
-    encode = RecordEncoder(processor, None, "pixels", SAMPLING)
-    dataset = ConversationDataset(video_records, SAMPLING)
-    tensors = [encode(dataset[index])[0] for index in range(len(video_records))]
-    pad = processor.tokenizer.pad_token_id
-    with torch.no_grad():
-        alone = [float(model(**pad_rows([t], pad)).loss) for t in tensors]
-        rows = [[1, 2, 0, 3]]
-        batch = PackedCollator(processor)([[{"tensors": tensors[i]} for i in row] for row in rows])
-        assert batch["second_per_grid_ts"].tolist() == pytest.approx([1.0, 1.5])
-        inputs = packed_inputs(model, batch)
-        logits = model(**inputs).logits
-        packed = record_losses(logits[0], inputs["labels"][0], batch[RECORD_LENGTHS][0])
-    for index, loss in zip(rows[0], packed, strict=True):
-        assert loss == pytest.approx(alone[index], rel=1e-5), index
+    [batch] = packed_losses_equal_alone(model, processor, video_records, [[[1, 2, 0, 3]]])
+    assert batch["second_per_grid_ts"].tolist() == pytest.approx([1.0, 1.5])
