@@ -58,6 +58,10 @@ def _adapters(cfg: Any) -> bool:
     return str(cfg.method.name) in ("lora", "qlora")
 
 
+# Knobs another knob's default is made from (the tiny LLaVA's model.image_size from data.video.grid on the
+# motion task): checked before the others, so that a bad one is named rather than the value made from it.
+SOURCE_RANGES: tuple[Range, ...] = (at_least("data.video.grid", 1),)
+
 RANGES: tuple[Range, ...] = (
     at_least("data.eval_samples", 1),
     at_least("data.max_new_tokens", 1),
@@ -84,7 +88,6 @@ RANGES: tuple[Range, ...] = (
         "must be a positive number of frames per video, at least data.video.min_frames",
     ),
     at_least("data.video.max_pixels", 64, optional=True),
-    at_least("data.video.grid", 1),
     Range("data.video.max_seconds", lambda v: float(v) > 0, "must be a positive length, or null", optional=True),
     at_least("data.shuffle_block", 1),
     at_least("data.pack_length", 16, when=lambda cfg: cfg.data.pack_length is not None),
@@ -373,6 +376,7 @@ def _stages(cfg: Any) -> None:
 # In the order a config with several mistakes reports them: what the model is, the rest of the job,
 # then the training knobs (relations last), then the tuner's.
 CHECKS: tuple[_Rule, ...] = (
+    *(_range_rule(row) for row in SOURCE_RANGES),
     _Rule("model", _model_source),
     _Rule("model", _tiny_dimensions),
     _Rule("model", _pixels),

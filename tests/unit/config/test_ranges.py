@@ -13,6 +13,7 @@ import pytest
 from launcher.config.ranges import (
     CHECKS,
     RANGES,
+    SOURCE_RANGES,
     TRAIN_RANGES,
     TUNE_RANGES,
     WORKERS_PER_CORE,
@@ -41,7 +42,7 @@ def test_the_default_job_and_the_real_presets_are_in_range():
 
 def test_every_row_names_a_key_of_the_schema():
     config = compose_typed([])
-    for row in (*RANGES, *TRAIN_RANGES, *TUNE_RANGES):
+    for row in (*SOURCE_RANGES, *RANGES, *TRAIN_RANGES, *TUNE_RANGES):
         value_of(config, row.key)  # an AttributeError here: a row for a key the schema does not have
     assert value_of(config, "train.lr") == config.train.lr and value_of(config, "dist") is config.dist
     groups = {"model", "data", "dist", "train", "logger", "plan", "method", "tune", "loss"}
@@ -133,6 +134,8 @@ def test_a_length_in_epochs_alone_is_in_range():
         (["data.video.max_pixels=10"], "data.video.max_pixels=10 must be at least 64"),
         (["data.video.max_seconds=0"], "data.video.max_seconds=0.0 must be a positive length, or null"),
         (["data.video.grid=0"], "data.video.grid=0 must be positive"),
+        # Named, not the tiny LLaVA's model.image_size the motion task makes from it.
+        (["data.task=motion", "data.video.grid=0"], "data.video.grid=0 must be positive"),
         (["plan.videos_per_sample=-1"], "plan.videos_per_sample=-1 must be at least 0"),
     ],
 )
