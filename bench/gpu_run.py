@@ -12,10 +12,10 @@ is less than it needs:
             image per 1,024). Every other row is a ratio to the fastest of these.
   fixed     the launcher at the plain loop's own batch: `model=qwen2_vl_2b model.source=random`, records of one
             448-pixel image cut to 1,024 tokens (data.max_length), micro batch 8, ZeRO 0, bf16.
-  packing   variable-length records (one image and 20 to 1,800 answer words each: about 280 to 2,100
-            tokens), packed into rows of 8,192 at micro batches 1, 2, 4, ZeRO 0;
+  packing   variable-length records (one image and 20 to 1,800 answer words each: about 290 to 2,070
+            tokens), packed into rows of 8,192 of at most 12 images at micro batches 1, 2, 4, ZeRO 0;
   padding   the same records, length grouping and plain padding at micro batches 2, 4, 8
-            (data.max_length 2,304: the planner plans unpacked batches at data.max_length).
+            (data.max_length 2,304; the tuner plans them at the longest record its data cache holds).
   z2        packed 8,192 at ZeRO 2 with activation checkpointing, micro batches 2 and 4.
   profile   the fastest launcher row so far once more, its step 3 profiled (train.profile_steps): where the
             step goes, by part (launcher/train/profile.py), as OUT/profile.md.
@@ -64,7 +64,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PRESETS = ROOT / "launcher" / "model" / "presets"
 QWEN2_VL_2B = PRESETS / "Qwen--Qwen2-VL-2B-Instruct" / "config.json"
 QWEN2_5_VL_7B = PRESETS / "Qwen--Qwen2.5-VL-7B-Instruct" / "config.json"
-WORDS = [f"w{i}" for i in range(200)]  # each becomes one token of the random build's tokenizer
+# Letters only, each one token of the random build's tokenizer: Qwen's pre-tokenizer splits digits off a word
+# ("w12": "w", "12"), which made the answers twice the tokens the phases were sized for (seen by planning them
+# from the data cache: the variable records' longest was 3,870 tokens, not ~2,100).
+WORDS = [f"w{first}{second}" for first in "abcdefghij" for second in "abcdefghijklmnopqrst"]
 MiB = 2**20
 ZERO_STAGE = {"z0": 0, "z1": 1, "z2": 2, "z3": 3, "z2_offload": 2, "z3_offload": 3}
 STOP_GRACE_S = 5
@@ -106,12 +109,13 @@ def gpu_phases() -> list[Phase]:
         Phase("fixed", 60, qwen2, QWEN2_VL_2B, data="fixed",
               overrides=(*two_b, *space("z0", "8", "false", "pad", None, 1024, 8))),
         Phase("packing", 90, qwen2, QWEN2_VL_2B,
-              overrides=(*two_b, *space("z0", "1,2,4", "false", "pack", 8192, 8192, 8))),
-        # Unpacked batches are planned at data.max_length (the planner does not read the records' lengths):
-        # 2,304 holds the longest record (about 2,100 tokens) with room.
+              overrides=(*two_b, ROW_IMAGES, *space("z0", "1,2,4", "false", "pack", 8192, 8192, 8))),
+        # 2,304 holds the longest record (about 2,100 tokens) with room; the tuner plans the candidates from the
+        # records' lengths in the data cache it builds first (docs/tune.md).
         Phase("padding", 90, qwen2, QWEN2_VL_2B,
               overrides=(*two_b, *space("z0", "2,4,8", "false", "group,pad", None, 2304, 8))),
-        Phase("z2", 60, qwen2, QWEN2_VL_2B, overrides=(*two_b, *space("z2", "2,4", "true", "pack", 8192, 8192, 8))),
+        Phase("z2", 60, qwen2, QWEN2_VL_2B,
+              overrides=(*two_b, ROW_IMAGES, *space("z2", "2,4", "true", "pack", 8192, 8192, 8))),
         Phase("profile", 60, qwen2, QWEN2_VL_2B),  # the fastest launcher row so far, its step 3 profiled
         Phase("lora7b", 75, qwen25, QWEN2_5_VL_7B, method="lora",
               overrides=(*seven_b, "method=lora", *space("z0", "1", "true", "pack", 16384, 16384, 4))),
@@ -123,6 +127,11 @@ def gpu_phases() -> list[Phase]:
               overrides=(*two_b, *VIDEO_LOADING, *space("z0", "1", "true", "pad", None, 8704, 1))),
     ]  # fmt: skip
 
+
+# At most 12 images a packed row of 8,192 (data.pack_max_images): without it the rows that gather short records
+# hold up to 23 images (7.0 on average) and the planner prunes micro batch 2; with it 96.1% of a row is records
+# (99.5% without) and micro batch 2 plans 127,862 MiB (`python bench/gpu_run.py --plan 139`, BENCHMARKS.md).
+ROW_IMAGES = "data.pack_max_images=12"
 
 # Video phases only when asked for (--phases): their call carries PyAV (bench/device_wheels.sh WITH_AV=1).
 ASKED_ONLY = ("video16", "video64")
@@ -142,7 +151,7 @@ def cpu_phases(small: dict[str, Path]) -> list[Phase]:
         Phase("fixed", 10, qwen2, small["qwen2_vl"], data="fixed",
               overrides=(*two_b, *space("z0", "2", "false", "pad", None, 1024, 2))),
         Phase("packing", 10, qwen2, small["qwen2_vl"],
-              overrides=(*two_b, *space("z0", "1", "false", "pack", 2048, 2048, 2))),
+              overrides=(*two_b, ROW_IMAGES, *space("z0", "1", "false", "pack", 2048, 2048, 2))),
         Phase("padding", 10, qwen2, small["qwen2_vl"],
               overrides=(*two_b, *space("z0", "1", "false", "pad", None, 2048, 2))),
         Phase("profile", 10, qwen2, small["qwen2_vl"]),
@@ -495,6 +504,57 @@ def run_profile(run: Run, phases: dict[str, Phase], records: int) -> None:
     run.log(f"profile of {best['candidate']}: {'written to profile.md' if tables else 'none written'}, exit {code}")
 
 
+def plan_phases(run: Run, phases: list[Phase], records: int, memory_gb: float, extra: list[str]) -> int:
+    """--plan: each tuner phase's candidates as the tuner plans them for a GPU of `memory_gb` GiB, nothing trained:
+    at data.max_length (the tuner without a data cache) and from the records of the data cache it builds first
+    (launcher.tune.tuner._prepared_shapes), side by side, as OUT/plan.md. `extra`: overrides after each phase's."""
+    os.environ.update(run.env)  # the cache folder and offline settings the tuner's children would get
+    from launcher.config.compose import compose
+    from launcher.config.schema import typed
+    from launcher.tune import tuner
+    from launcher.tune.decide import prune_reason
+
+    head = "| phase | candidate | planned MiB at data.max_length | planned MiB from the records |"
+    lines = [f"{head} on {memory_gb:g} GiB |", "|---|---|---:|---:|---|"]
+    notes: list[str] = []
+    for phase in phases:
+        if phase.shapes or not phase.overrides:  # the plain loop and the profile: nothing the tuner plans
+            continue
+        started = time.time()
+        overrides = [*phase.overrides, *write_data(run.work / "data", phase.data, records),
+                     f"plan.gpu_memory_gb={memory_gb:g}", f"tune.memory_gb={memory_gb:g}",
+                     f"tune.dir={run.work / 'plan' / phase.name}", "logger=none", *extra]  # fmt: skip
+        cfg = typed(compose(overrides))
+        shapes = tuner._prepared_shapes(cfg, run.log)
+        at_limit, from_records = (tuner._tuning(cfg, overrides, each) for each in (None, shapes))
+        for limit, records_plan in zip(at_limit.results, from_records.results, strict=True):
+            why = prune_reason(records_plan.candidate, records_plan.planned, [], from_records.budget, 0.1)
+            figures = [f"{r.planned / MiB:,.0f}" if r.planned else r.note for r in (limit, records_plan)]
+            lines.append(f"| {phase.name} | {limit.name} | {' | '.join(figures)} | {'pruned' if why else 'runs'} |")
+        packed = next((o.split("=[")[1].strip("]") for o in overrides if o.startswith("tune.pack_lengths=[")), None)
+        if shapes is not None and packed is not None:  # the first epoch's rows, as the packed candidates train
+            notes.append(packed_rows_line(phase.name, shapes, int(packed), cfg))
+        run.log(f"{phase.name}: planned in {time.time() - started:.0f} s")
+        write_atomic(run.out / "plan.md", "\n".join([*lines, "", *notes]) + "\n")
+    return 0
+
+
+def packed_rows_line(name: str, shapes: Any, budget: int, cfg: Any) -> str:
+    """The first epoch's packed rows of a phase's records: how full, how many images a row holds."""
+    import numpy as np
+
+    from launcher.data.packing import pack_rows
+
+    most = cfg.data.pack_max_images
+    rows = pack_rows(shapes.lengths, budget, seed=int(cfg.train.seed), epoch=0, images=shapes.images, max_images=most)
+    images = np.array([shapes.images[row].sum() for row in rows])
+    fill = shapes.lengths.sum() / (len(rows) * budget)
+    return (
+        f"- {name}: {len(rows)} rows of {budget:,} tokens (data.pack_max_images={most}), {fill:.1%} of them records; "
+        f"images a row {images.mean():.1f} on average, {int(images.max())} at most"
+    )
+
+
 def peak_flops(cpu: bool) -> float | None:
     """The device's peak, as the launcher's MFU counts it (launcher.train.peak)."""
     import torch
@@ -540,6 +600,11 @@ def main() -> int:
     parser.add_argument("--phases", nargs="+", default=None, help="run only these phases (in their order)")
     parser.add_argument("--records", type=int, default=None, help="records per data set (default 2,000; CPU 24)")
     parser.add_argument("--commit", default=None, help="the commit the rows name (default: git rev-parse HEAD)")
+    parser.add_argument("--plan", type=float, default=None, metavar="GIB", help="train nothing: plan each tuner "
+                        "phase's candidates for a GPU of GIB (139: an H200), at data.max_length and from the "
+                        "records, as OUT/plan.md")  # fmt: skip
+    parser.add_argument("--plan-override", action="append", default=[], metavar="KEY=VALUE",
+                        help="with --plan: one train.py override more for each phase planned (repeatable)")  # fmt: skip
     args = parser.parse_args()
     started = time.time()
     stamp_dir = time.strftime("%Y%m%d-%H%M%S")
@@ -549,11 +614,16 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "DS_SKIP_CUDA_CHECK": "1", "WANDB_MODE": "disabled"}
     env.setdefault("VLM_LAUNCHER_CACHE", str(work / "cache"))
-    installed = "CPU mode: this interpreter's packages" if args.cpu else install_wheels(env)
+    planning = args.plan is not None
+    installed = "this interpreter's packages" if args.cpu or planning else install_wheels(env)
     commit = args.commit or _git_commit()
     context = {
         "real_shape": not args.cpu,
-        "stamp": {"device": device_name(args.cpu), "commit": commit, "date": datetime.date.today().isoformat()},
+        "stamp": {
+            "device": device_name(args.cpu or planning),
+            "commit": commit,
+            "date": datetime.date.today().isoformat(),
+        },
     }
     context["header"] = (
         f"# GPU run ({'CPU rehearsal: figures mean nothing' if args.cpu else 'real shapes'})\n\n"
@@ -580,6 +650,9 @@ def main() -> int:
         phases = [p for p in phases if p.name in args.phases]
     else:
         phases = [p for p in phases if p.name not in ASKED_ONLY]
+
+    if args.plan is not None:
+        return plan_phases(run, phases, records, args.plan, args.plan_override)
 
     def stop(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt(signal.Signals(signum).name)

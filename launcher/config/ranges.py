@@ -91,6 +91,7 @@ RANGES: tuple[Range, ...] = (
     Range("data.video.max_seconds", lambda v: float(v) > 0, "must be a positive length, or null", optional=True),
     at_least("data.shuffle_block", 1),
     at_least("data.pack_length", 16, when=lambda cfg: cfg.data.pack_length is not None),
+    at_least("data.pack_max_images", 1, optional=True),
     Range(
         "data.max_length",
         lambda v: int(v) >= 1,

@@ -362,6 +362,10 @@ class DataConfig:
     # data.cache (the lengths come from it) and train.max_steps.
     packing: bool = False
     pack_length: int | None = None  # tokens per packed row; null: data.max_length
+    # The most images one packed row may hold (a video: the images its frames make): a row's vision-tower
+    # activations grow with its images, and rows that gather short records hold several times the mean
+    # (docs/planning.md). null: no limit.
+    pack_max_images: int | None = None
     # Every batch runs the vision tower (a dummy image where a batch has none; and a dummy video where the
     # data has videos a Qwen2-VL-family model takes as videos), so that ranks whose batches differ in
     # modality cannot hang ZeRO-3's collectives. null: on at ZeRO-3 with several ranks.
@@ -430,8 +434,9 @@ class PlanConfig:
     cpu_memory_gb: float | None = None
     # Fraction of each memory kept free (CUDA context, allocator fragmentation, NCCL buffers).
     headroom: float = 0.1
-    # Language-model tokens per sample (text + image tokens); null: data.max_length where set (the most a
-    # sample holds), else text_tokens + the model's image tokens.
+    # Language-model tokens per sample (text + image tokens); null: the longest record's where the job's data
+    # cache is built (docs/planning.md), else data.max_length where set (the most a sample holds), else
+    # text_tokens + the model's image tokens.
     seq_len: int | None = None
     text_tokens: int | None = None  # null: 512 (tiny models: 32)
     images_per_sample: int = 1

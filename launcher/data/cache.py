@@ -441,21 +441,33 @@ def ensure_job_cache(
 ) -> CacheInfo:
     """The cache of one split of a job's records, as a job with this `data` config and `model` (its
     resolved path) keys and builds it: the job itself, and `python -m launcher.prepare` before it."""
-    sample = [records[index] for index in range(min(len(records), 1000))]
-    images = image_storage(str(data.cache_images), processor, sample, len(records), videos=holds_videos(records))
-    video = VideoSampling.of(data.video)
+    encode = job_encoder(data, processor, records)
     return ensure_cache(
         cache / "data_cache",
         records,
         processor,
         model,
-        RecordEncoder(processor, LengthLimit.of(data), images, video),
-        ConversationDataset(records, video).__getitem__,
+        encode,
+        ConversationDataset(records, encode.video).__getitem__,
         on_bad_record=str(data.on_bad_record),
         num_workers=int(data.num_workers),
         part=part,
         check=str(data.cache_check),
     )
+
+
+def job_encoder(data: DataConfig, processor: Any, records: Sequence[dict]) -> RecordEncoder:
+    """How a job with this `data` config encodes a split of `records` into its cache: its length limit, how
+    it keeps images (data.cache_images, auto decided from the split), which frames of a video train."""
+    sample = [records[index] for index in range(min(len(records), 1000))]
+    images = image_storage(str(data.cache_images), processor, sample, len(records), videos=holds_videos(records))
+    return RecordEncoder(processor, LengthLimit.of(data), images, VideoSampling.of(data.video))
+
+
+def job_cache_path(data: DataConfig, cache: Path, model: str, processor: Any, records: Sequence[dict]) -> Path:
+    """Where `ensure_job_cache` keeps (or will build) the cache of this split: read, never built, here."""
+    encode = job_encoder(data, processor, records)
+    return cache / "data_cache" / cache_key(records, processor, model, encode.limit, encode.images, encode.video)
 
 
 def _unless_finished_elsewhere(path: Path, work: Callable[[], Any]) -> None:
@@ -834,6 +846,37 @@ class CachedDataset(Dataset):
     def lengths(self) -> np.ndarray:
         """Tokens per record (image tokens included), an int64 array: what length-grouped batches sort by."""
         return np.concatenate([np.diff(offsets["input_ids"]) for offsets in self.offsets])
+
+    def vision_inputs(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """Per record, from the offsets and grids alone (int64 arrays): what its vision tower takes, in images (a
+        video counted as the images its frames make: tiled data.video.grid^2 to an image for LLaVA, a temporal
+        patch each for the Qwen2-VL family), and, where each image's and video's (t, h, w) grid is kept (the
+        Qwen2-VL family), its vision-tower patches, else None. What the memory planner plans a job's records by
+        (launcher.plan.data.record_shapes)."""
+        grids = [kind.grid for kind in (IMAGES, VIDEOS) if kind.grid in self._layout]
+        if grids:
+            temporal = [self._per_record(grid, lambda rows: rows[:, 0]) for grid in grids]  # an image's t is 1
+            patches = [self._per_record(grid, lambda rows: np.prod(rows, axis=-1)) for grid in grids]
+            return sum(temporal), sum(patches)
+        if IMAGE_LENGTHS in self._layout:  # encoded files: an image's, or a video's (its frame count above 0)
+            counts = self._per_record(IMAGE_LENGTHS)
+            if VIDEO_FRAMES in self._layout:  # a video's frames, tiled grid x grid into images, past its one entry
+                tiles = self.video.grid**2
+                counts = counts + self._per_record(VIDEO_FRAMES, lambda frames: np.maximum(0, -(-frames // tiles) - 1))
+            return counts, None
+        if IMAGES.pixels in self._layout:  # a row of pixel values per image (LLaVA; a video is kept encoded)
+            return self._per_record(IMAGES.pixels), None
+        return np.zeros(len(self), np.int64), None
+
+    def _per_record(self, name: str, value: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
+        """Per record: its rows of tensor `name`, or (`value`: rows -> a number per row) their values summed."""
+        if value is None:
+            return np.concatenate([np.diff(offsets[name]) for offsets in self.offsets])
+        each = []
+        for maps, offsets in zip(self._open(), self.offsets, strict=True):
+            summed = np.concatenate([[0], np.cumsum(value(np.asarray(maps[name], dtype=np.int64)))])
+            each.append(summed[offsets[name][1:]] - summed[offsets[name][:-1]])
+        return np.concatenate(each).astype(np.int64)
 
     def _open(self) -> list[dict[str, np.ndarray]]:
         if self._maps is None:

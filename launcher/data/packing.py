@@ -34,9 +34,22 @@ RECORD_VIDEOS = "record_videos"  # videos (taken as videos) per record, per row:
 REAL_TOKENS = "real_tokens"  # a packed batch's mask of real (non-padding) tokens: for accounting only
 
 
-def pack_rows(lengths: Sequence[int] | np.ndarray, budget: int, *, seed: int, epoch: int) -> list[list[int]]:
-    """Rows of record indices, each at most `budget` tokens (a longer record is a row of its own)."""
+def pack_rows(
+    lengths: Sequence[int] | np.ndarray,
+    budget: int,
+    *,
+    seed: int,
+    epoch: int,
+    images: Sequence[int] | np.ndarray | None = None,
+    max_images: int | None = None,
+) -> list[list[int]]:
+    """Rows of record indices, each at most `budget` tokens (a longer record is a row of its own) and, given
+    `max_images` and each record's `images`, at most that many images (a record with more: a row of its own).
+    A record goes into the open row it fills most tightly among those with room for its images too."""
     lengths = np.asarray(lengths, dtype=np.int64)
+    capped = max_images is not None and images is not None
+    held = np.asarray(images if capped else np.zeros(len(lengths)), dtype=np.int64)
+    most = int(max_images) if capped else 0
     rng = np.random.default_rng([seed, epoch])
     order = rng.permutation(len(lengths))
     rows: list[list[int]] = []
@@ -44,17 +57,23 @@ def pack_rows(lengths: Sequence[int] | np.ndarray, budget: int, *, seed: int, ep
         block = order[start : start + PACK_BLOCK]
         block = block[np.argsort(-lengths[block], kind="stable")]  # longest first
         packed: list[list[int]] = []
+        row_images: list[int] = []
         open_rows: list[tuple[int, int]] = []  # (room left, row number), sorted: the tightest fit found by bisection
         for index in block.tolist():
-            size = int(lengths[index])
+            size, count = int(lengths[index]), int(held[index])
             at = bisect.bisect_left(open_rows, (size, -1))
+            if capped:  # the tightest row that has room for the record's images as well
+                while at < len(open_rows) and row_images[open_rows[at][1]] + count > most:
+                    at += 1
             if at < len(open_rows):
                 room, number = open_rows.pop(at)
                 packed[number].append(index)
+                row_images[number] += count
             else:
                 room, number = budget, len(packed)
                 packed.append([index])
-            if room - size > 0:
+                row_images.append(count)
+            if room - size > 0:  # a row at the image limit stays open to records without images
                 bisect.insort(open_rows, (room - size, number))
         rows += [packed[i] for i in rng.permutation(len(packed))]
     return rows

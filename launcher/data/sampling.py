@@ -216,11 +216,20 @@ class PackedSampler(Sampler[tuple[int, ...]]):
     The same seed, lengths and budget give the same plan: a resume recomputes it and skips `start` rows."""
 
     def __init__(
-        self, lengths: Sequence[int] | np.ndarray, *, budget: int, num_replicas: int, rank: int, seed: int
+        self,
+        lengths: Sequence[int] | np.ndarray,
+        *,
+        budget: int,
+        num_replicas: int,
+        rank: int,
+        seed: int,
+        images: Sequence[int] | np.ndarray | None = None,
+        max_images: int | None = None,
     ) -> None:
         _check_ranks(num_replicas, rank)
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.budget, self.num_replicas, self.rank, self.seed = budget, num_replicas, rank, seed
+        self.images, self.max_images = images, max_images  # data.pack_max_images: images per row at most
         self.epoch = 0
         self.start = 0
         self._plan: tuple[int, list[list[int]]] | None = None  # (epoch, its rows for this rank)
@@ -230,7 +239,14 @@ class PackedSampler(Sampler[tuple[int, ...]]):
 
     def rows(self) -> list[list[int]]:
         if self._plan is None or self._plan[0] != self.epoch:
-            plan = pack_rows(self.lengths, self.budget, seed=self.seed, epoch=self.epoch)
+            plan = pack_rows(
+                self.lengths,
+                self.budget,
+                seed=self.seed,
+                epoch=self.epoch,
+                images=self.images,
+                max_images=self.max_images,
+            )
             usable = len(plan) // self.num_replicas * self.num_replicas
             self._plan = (self.epoch, plan[self.rank : usable : self.num_replicas])
         return self._plan[1]

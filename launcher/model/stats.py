@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -270,16 +271,41 @@ def _image_tokens(cfg: Config, config) -> tuple[int, int, int]:
     return patches + cls, patches + (cls if strategy == "full" else 0), 1
 
 
-def sequence(cfg: Config, stats: ModelStats) -> tuple[int, int]:
+@dataclass(frozen=True)
+class RecordShapes:
+    """What each record of a job's train split holds, as its built data cache keeps it
+    (launcher.plan.data.record_shapes): the tokens and images a micro batch really holds."""
+
+    lengths: Any  # np.ndarray: language-model tokens per record (image tokens included), cut to data.max_length
+    images: Any  # np.ndarray: images per record (a video as the images its frames make)
+    patches: Any = None  # np.ndarray: vision-tower patches per record (the Qwen2-VL family), else None
+    where: str = ""  # the cache read
+
+    def image_load(self, stats: ModelStats) -> Any:
+        """Per record, the vision tower's work in images of the planned size (stats.vision_tokens patches each):
+        its patches over that where the cache knows them (a Qwen2-VL image's size is its own), else its images."""
+        import numpy as np
+
+        if self.patches is None:
+            return np.asarray(self.images, dtype=np.float64)
+        return np.asarray(self.patches, dtype=np.float64) / max(1, stats.vision_tokens)
+
+
+def sequence(cfg: Config, stats: ModelStats, shapes: RecordShapes | None = None) -> tuple[int, int]:
     """(language-model tokens per sample, images per sample): a packed row is a sample here.
 
-    plan.seq_len when set; else, packing, the row's length (data.pack_length, else data.max_length) and the
-    images of the records it holds (plan.text_tokens plus their image tokens each); else data.max_length when
-    set: a batch is padded to its longest sample and no sample is longer, so a job's memory is bounded by it
-    (a plan.text_tokens given as well is planned, up to data.max_length); else plan.text_tokens (default 512,
-    or 32 for tiny models, whose built-in conversations are about 15 text tokens) plus the image tokens of
-    plan.images_per_sample images. Each of plan.videos_per_sample videos counts as data.video.max_frames /
-    data.video.grid^2 images where its frames train tiled into images (LLaVA:
+    plan.seq_len when set; else, with the records' shapes read from the job's built data cache (`shapes`)
+    and no plan.text_tokens given, the worst micro batch they make: a packed row's length and the most
+    images a row of the first epoch's packing plan holds (launcher.data.packing.pack_rows), or unpacked, the
+    longest record's tokens and the most images one record holds (a padded or length-grouped micro batch is
+    padded to its longest record: the peak is the micro batch that holds the longest; videos count as the
+    images their frames make). Else, packing, the row's length (data.pack_length, else data.max_length) and
+    the images of the records it holds (plan.text_tokens plus their image tokens each); else data.max_length
+    when set: a batch is padded to its longest sample and no sample is longer, so a job's memory is bounded
+    by it (a plan.text_tokens given as well is planned, up to data.max_length); else plan.text_tokens
+    (default 512, or 32 for tiny models, whose built-in conversations are about 15 text tokens) plus the
+    image tokens of plan.images_per_sample images. Each of plan.videos_per_sample videos counts as
+    data.video.max_frames / data.video.grid^2 images where its frames train tiled into images (LLaVA:
     launcher.data.video.frames_as_images), as max_frames / temporal_patch_size images where the model takes
     videos (the Qwen2-VL family pairs frames in its patches: the tokens and the vision tower's work of one
     image per pair).
@@ -289,17 +315,39 @@ def sequence(cfg: Config, stats: ModelStats) -> tuple[int, int]:
     images = int(plan.images_per_sample) + int(plan.videos_per_sample) * per_video
     if plan.seq_len:
         return int(plan.seq_len), images
+    if planned_from_records(cfg, shapes):
+        return _worst_sample(cfg, stats, shapes)
     text = plan.text_tokens or (32 if str(cfg.model.source) == "tiny" else 512)
     typical = int(text) + images * stats.image_tokens
     if cfg.data.packing and pack_length(cfg.data) is not None:
         # A packed row is full, whatever its records, and holds the images of every record in it: at Qwen2-VL-2B's
         # 8,192 tokens of ~1,000-token records, 8 images, each ~1.7 GB of vision-tower activations in bf16.
         row = int(pack_length(cfg.data))
-        return row, images * max(1, row // typical)
+        held, most = images * max(1, row // typical), cfg.data.pack_max_images  # more than `most`: a row of its own
+        return row, held if most is None else max(images, min(held, int(most)))
     longest = cfg.data.max_length
     if planned_at_max_length(cfg):
         return int(longest), images
     return (typical if longest is None else min(typical, int(longest))), images
+
+
+def planned_from_records(cfg: Config, shapes: RecordShapes | None) -> bool:
+    """Whether `sequence` plans the records' own shapes: they are known, and neither plan.seq_len nor
+    plan.text_tokens says what to plan instead."""
+    return shapes is not None and len(shapes.lengths) > 0 and not cfg.plan.seq_len and not cfg.plan.text_tokens
+
+
+def _worst_sample(cfg: Config, stats: ModelStats, shapes: RecordShapes) -> tuple[int, int]:
+    """`sequence` from the records themselves: (tokens, images) of the sample that needs the most."""
+    load = shapes.image_load(stats)
+    if cfg.data.packing and pack_length(cfg.data) is not None:
+        from launcher.data.packing import pack_rows
+
+        row, most = int(pack_length(cfg.data)), cfg.data.pack_max_images
+        rows = pack_rows(shapes.lengths, row, seed=int(cfg.train.seed), epoch=0, images=shapes.images, max_images=most)
+        most = max(float(load[indices].sum()) for indices in rows)
+        return max(row, int(shapes.lengths.max())), math.ceil(most - 1e-9)
+    return int(shapes.lengths.max()), math.ceil(float(load.max()) - 1e-9)
 
 
 def pack_length(data: Any) -> int | None:

@@ -8,14 +8,16 @@ from pathlib import Path
 
 from launcher.config.schema import Config
 from launcher.core.errors import LauncherError
-from launcher.data.cache import RecordEncoder, built_cache, cache_key, image_storage
+from launcher.data.cache import CachedDataset, RecordEncoder, built_cache, cache_key, image_storage, job_cache_path
 from launcher.data.estimate import DataCost, cache_cost, index_cost
-from launcher.data.index import Records, RecordTable, file_identity, holds_videos, index_table
+from launcher.data.index import Records, RecordTable, file_identity, holds_videos, index_table, read_index_meta
 from launcher.data.length import LengthLimit
-from launcher.data.records import INDEX_DIR, Source, data_sources
+from launcher.data.records import INDEX_DIR, Source, data_sources, read_data
 from launcher.data.stream import stream_files
+from launcher.data.video import VideoSampling
 from launcher.job.planning import cache_dir, world_size_of
 from launcher.model.loading import load_processor
+from launcher.model.stats import RecordShapes
 
 log = logging.getLogger("launcher")
 
@@ -57,9 +59,9 @@ def _cache(cfg: Config, source: Source, index: DataCost, encode: RecordEncoder |
     images = str(data.cache_images)
     if encode is not None:  # data.cache_images=auto decided as the job decides it (launcher.data.cache)
         images = image_storage(images, encode.processor, sample, records, videos=videos)
-        encode = RecordEncoder(encode.processor, encode.limit, images)
+        encode = RecordEncoder(encode.processor, encode.limit, images, encode.video)
     if index.built and encode is not None:
-        key = cache_key(Records([table]), encode.processor, model_path, encode.limit, encode.images)
+        key = cache_key(Records([table]), encode.processor, model_path, encode.limit, encode.images, encode.video)
         built = built_cache(cache / "data_cache" / key)
         if built is not None:
             return DataCost("data cache", True, built.records, built.bytes, built.build_seconds)
@@ -83,4 +85,35 @@ def _encoder(cfg: Config, model_path: str) -> RecordEncoder | None:
     except (LauncherError, OSError, ValueError) as err:
         log.debug("no processor for the data plan: %s", err)
         return None
-    return RecordEncoder(processor, LengthLimit.of(cfg.data))  # its images: per split (_cache)
+    return RecordEncoder(processor, LengthLimit.of(cfg.data), video=VideoSampling.of(cfg.data.video))  # images: _cache
+
+
+def record_shapes(cfg: Config, model_path: str) -> RecordShapes | None:
+    """The tokens and images of each record of the job's train split, read from its data cache when that is
+    built (by an earlier job with the same data settings, or `python -m launcher.prepare`); None when it is
+    not, or cannot be looked for without building something: no data cache (data.cache=false, streaming), a
+    data file not indexed yet, a processor not on local disk (a hub id is not fetched for a plan)."""
+    data = cfg.data
+    if not data.cache or data.streaming:
+        return None
+    cache = cache_dir(cfg)
+    if not data.synthetic:  # only a built index is read: a plan indexes nothing
+        sources, _ = data_sources(data, cache)
+        for source in sources:
+            identity = file_identity(source.path)
+            if identity is None or read_index_meta(index_table(identity, source.options, cache / INDEX_DIR)) is None:
+                return None
+    if not Path(model_path).expanduser().is_dir():
+        return None
+    try:
+        processor = load_processor(model_path, min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
+    except (LauncherError, OSError, ValueError) as err:
+        log.debug("no processor to find the data cache for the plan: %s", err)
+        return None
+    train = read_data(data, cache).train
+    path = job_cache_path(data, cache, model_path, processor, train)
+    if built_cache(path) is None:
+        return None
+    cached = CachedDataset(path, processor)
+    images, patches = cached.vision_inputs()
+    return RecordShapes(cached.lengths(), images, patches, str(path))

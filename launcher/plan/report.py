@@ -28,8 +28,17 @@ from launcher.core.errors import LauncherError, one_line
 from launcher.job.checks import detect_device
 from launcher.job.planning import plan_job, variant_overrides, world_size_of
 from launcher.job.spec import HydraJob, Job
-from launcher.model.stats import ModelStats, model_dir, model_stats, pack_length, planned_at_max_length, sequence
-from launcher.plan.data import data_lines
+from launcher.model.stats import (
+    ModelStats,
+    RecordShapes,
+    model_dir,
+    model_stats,
+    pack_length,
+    planned_at_max_length,
+    planned_from_records,
+    sequence,
+)
+from launcher.plan.data import data_lines, record_shapes
 from launcher.plan.memory import (
     PRESETS,
     GiB,
@@ -100,9 +109,11 @@ def plan_rows(
     *,
     presets: Sequence[str] = tuple(PRESETS),
     precisions: Sequence[str] | None = None,
+    shapes: RecordShapes | None = None,
 ) -> list[Row]:
-    """One estimate per preset x precision, for the job's world size, batch and sequence."""
-    seq_len, images = sequence(cfg, stats)
+    """One estimate per preset x precision, for the job's world size, batch and sequence (`shapes`: its
+    records', launcher.plan.data.record_shapes)."""
+    seq_len, images = sequence(cfg, stats, shapes)
     rows = []
     for preset in presets:
         for dtype in precisions or target.precisions:
@@ -120,10 +131,18 @@ def plan_rows(
     return rows
 
 
-def _sample_source(cfg: Config) -> str:
+def _sample_source(cfg: Config, shapes: RecordShapes | None) -> str:
     """What the planned sample is, and where its length comes from: the start of the job line's parenthesis."""
-    if not cfg.plan.seq_len and cfg.data.packing and pack_length(cfg.data) is not None:
-        return f"packed row ({'data.pack_length' if cfg.data.pack_length is not None else 'data.max_length'}; "
+    packed = not cfg.plan.seq_len and cfg.data.packing and pack_length(cfg.data) is not None
+    if packed:
+        budget = "data.pack_length" if cfg.data.pack_length is not None else "data.max_length"
+    if planned_from_records(cfg, shapes):
+        records = f"the {len(shapes.lengths):,} records of the built data cache"
+        if packed:
+            return f"packed row ({budget}; the row of the first epoch's plan of {records} with the most images: "
+        return f"sample (the longest of {records}; the most images one holds: "
+    if packed:
+        return f"packed row ({budget}; "
     return f"sample ({'data.max_length; ' if planned_at_max_length(cfg) else ''}"
 
 
@@ -178,14 +197,15 @@ def preflight_plan(cfg: Config, spec: Job) -> tuple[str | None, int]:
     records beside its measured peak (summary.json's planned_memory_bytes)."""
     stats = model_stats(cfg, path=spec.model_path)  # the job's model, already resolved (None: resolved here)
     target = target_device(cfg.plan)
-    seq_len, images = sequence(cfg, stats)
+    shapes = record_shapes(cfg, spec.model_path or model_dir(cfg))
+    seq_len, images = sequence(cfg, stats, shapes)
     layout = layout_from_ds_config(spec.ds_config, world_size=spec.world_size, ranks_per_node=spec.ranks_per_node)
     est = estimate(stats, layout, seq_len=seq_len, images=images, **preference_terms(cfg.loss))
     planned = planned_bytes(est, target.kind)
     ok, why = fits(est, target)
     if ok:
         return None, planned
-    rows = plan_rows(cfg, spec.hydra.overrides, stats, target, precisions=(layout.dtype,))
+    rows = plan_rows(cfg, spec.hydra.overrides, stats, target, precisions=(layout.dtype,), shapes=shapes)
     best = recommend(rows, target.kind)
     if best is not None:
         advice = f"expected to fit: {_choice(cfg, best)}"
@@ -257,8 +277,9 @@ def report(cfg: Config, overrides: Sequence[str] = ()) -> str:
     path = model_dir(cfg)
     stats = model_stats(cfg, path=path)
     target = target_device(cfg.plan)
-    rows = plan_rows(cfg, overrides, stats, target)
-    seq_len, images = sequence(cfg, stats)
+    shapes = record_shapes(cfg, path)
+    rows = plan_rows(cfg, overrides, stats, target, shapes=shapes)
+    seq_len, images = sequence(cfg, stats, shapes)
     world_size = world_size_of(cfg)
     components = ", ".join(
         f"{name} {count / 1e6:,.1f}M{' (frozen)' if name in stats.frozen else ''}"
@@ -275,7 +296,7 @@ def report(cfg: Config, overrides: Sequence[str] = ()) -> str:
         f"model {stats.name}: {stats.total / 1e6:,.1f}M parameters ({components}); "
         f"{stats.trainable / 1e6:,.1f}M trainable (method={cfg.method.name})",
         f"job: {world_size} rank(s), {cfg.dist.nproc_per_node} per node; micro batch {micro}; "
-        f"{seq_len} tokens per {_sample_source(cfg)}{images} image(s) x {stats.image_tokens} image tokens)",
+        f"{seq_len} tokens per {_sample_source(cfg, shapes)}{images} image(s) x {stats.image_tokens} image tokens)",
         f"device: {target.device_bytes / GiB:.1f} GiB ({target.source}); CPU per node: {cpu}; "
         f"fits = within {1 - target.headroom:.0%} (plan.headroom={target.headroom:g})",
         *data_lines(cfg, path),

@@ -272,7 +272,9 @@ def _sampler(job: Job, rank: Rank, loaded: LoadedData, train_set: Any, sources: 
         sizes = np.bincount(sources, minlength=len(loaded.sources)).tolist()
         return MixtureSampler(sizes, [source.weight for source in loaded.sources], **placement)
     if job.config.data.packing:
-        return PackedSampler(train_set.lengths(), budget=int(pack_length(job.config.data) or 0), **placement)
+        budget, most = int(pack_length(job.config.data) or 0), job.config.data.pack_max_images
+        images = train_set.vision_inputs()[0] if most is not None else None  # packing reads the data cache
+        return PackedSampler(train_set.lengths(), budget=budget, images=images, max_images=most, **placement)
     if job.config.data.group_by_length:
         return LengthGroupedSampler(train_set.lengths(), micro=job.micro_batch, **placement)
     return ResumableSampler(train_set, shuffle=True, **placement)

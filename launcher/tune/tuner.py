@@ -55,7 +55,7 @@ from launcher.job.checks import check_data
 from launcher.job.planning import plan_job, training_length
 from launcher.job.spec import HydraJob, Job
 from launcher.launch.base import TRAIN_SCRIPT
-from launcher.model.stats import heaviest_stage, model_stats, pack_length, sequence
+from launcher.model.stats import RecordShapes, heaviest_stage, model_dir, model_stats, pack_length, sequence
 from launcher.plan.memory import PRESETS, Target, estimate, layout_from_ds_config, planned_bytes, preference_terms
 from launcher.plan.report import target_device
 from launcher.tracking.naming import has_credentials, resolve_mode
@@ -81,14 +81,17 @@ from launcher.tune.space import base_overrides, default_micro_batch_sizes, searc
 _STATS: dict[str, Any] = {}
 
 
-def planned_memory(candidate_cfg: Config, job: Job, target: Target) -> tuple[int, dict[str, int]]:
+def planned_memory(
+    candidate_cfg: Config, job: Job, target: Target, shapes: RecordShapes | None = None
+) -> tuple[int, dict[str, int]]:
     """The planner's bytes per rank for a candidate's job, and its components (on a CPU the offloaded
-    states share the rank's memory: they count)."""
+    states share the rank's memory: they count). `shapes`: the records' tokens and images (the data cache
+    the tuner prepared), else the planner's assumptions (data.max_length)."""
     key = json.dumps([plain(candidate_cfg.model), plain(candidate_cfg.method)], sort_keys=True, default=str)
     if key not in _STATS:  # building the meta model takes a moment; candidates share a few
         _STATS[key] = model_stats(candidate_cfg)
     stats = _STATS[key]
-    seq_len, images = sequence(candidate_cfg, stats)
+    seq_len, images = sequence(candidate_cfg, stats, shapes)
     layout = layout_from_ds_config(job.ds_config, world_size=job.world_size, ranks_per_node=job.ranks_per_node)
     est = estimate(stats, layout, seq_len=seq_len, images=images, **preference_terms(candidate_cfg.loss))
     total = planned_bytes(est, target.kind)
@@ -104,7 +107,7 @@ def tune(overrides: Sequence[str], *, echo: Callable[[str], None] = print) -> Tu
     """Plan, prune, measure and report; returns the tuning (its pick: `pick(t.results)`)."""
     cfg = typed(compose(overrides))
     check_config(cfg, tuner=True)
-    t = _tuning(cfg, overrides)
+    t = _tuning(cfg, overrides, _prepared_shapes(cfg, echo))
     echo(t.space_line)
     write_outputs(t)
     tc = cfg.tune
@@ -163,8 +166,34 @@ def confirm(t: Tuning, tc: Any, echo: Callable[[str], None]) -> None:
         echo(f"confirm: {line}")
 
 
-def _tuning(cfg: Config, overrides: Sequence[str]) -> Tuning:
-    """The tuning of the job `overrides` describes: its space, its budget, each candidate planned."""
+def _prepared_shapes(cfg: Config, echo: Callable[[str], None]) -> RecordShapes | None:
+    """The job's data prepared as its candidates would find it (`python -m launcher.prepare`: the record index
+    and the data cache, built once here rather than by the first candidate), and the tokens and images of
+    its records read from that cache: what the candidates are planned by. None without a data cache
+    (data.cache=false, streaming): then they are planned at data.max_length."""
+    if not cfg.data.cache or cfg.data.streaming:
+        return None
+    from launcher.data.cache import Part
+    from launcher.job.data import prepare
+    from launcher.plan.data import record_shapes
+
+    started = time.perf_counter()
+    _, caches = prepare(cfg, Part())
+    shapes = record_shapes(cfg, model_dir(cfg))
+    if shapes is None:  # e.g. a hub id's processor: the cache is built, but not looked up without it
+        return None
+    info = caches["train"]
+    echo(
+        f"tune: data cache {'built' if info.built else 'found'} ({info.records:,} train records, "
+        f"{time.perf_counter() - started:.1f} s): candidates are planned from their lengths (the longest "
+        f"{int(shapes.lengths.max()):,} tokens, the mean {float(shapes.lengths.mean()):,.0f})"
+    )
+    return shapes
+
+
+def _tuning(cfg: Config, overrides: Sequence[str], shapes: RecordShapes | None = None) -> Tuning:
+    """The tuning of the job `overrides` describes: its space, its budget, each candidate planned (`shapes`:
+    from its records' tokens and images)."""
     tc = cfg.tune
     tunes_attention = bool(tc.attn_implementations)
     batchings = _batchings(cfg)
@@ -211,7 +240,7 @@ def _tuning(cfg: Config, overrides: Sequence[str]) -> Tuning:
     t = Tuning(
         directory, base, global_batch, world_size, budget, source, left_out=left_out, device_kind=job.device.kind
     )
-    t.results = [_planned(base, candidate, global_batch, target) for candidate in candidates]
+    t.results = [_planned(base, candidate, global_batch, target, shapes) for candidate in candidates]
     heaviest = heaviest_stage(cfg)
     if heaviest is not None:
         t.trial_overrides = [
@@ -257,7 +286,9 @@ def _batchings(cfg: Config) -> list[tuple[str | None, int | None]]:
     return batchings
 
 
-def _planned(base: list[str], candidate: Any, global_batch: int, target: Target) -> Result:
+def _planned(
+    base: list[str], candidate: Any, global_batch: int, target: Target, shapes: RecordShapes | None = None
+) -> Result:
     """A candidate with the planner's estimate and the DeepSpeed dict of its job (train.max_steps as given,
     not the measurement's few steps: what best.yaml must reproduce), or why it cannot be planned."""
     result = Result(candidate)
@@ -268,7 +299,7 @@ def _planned(base: list[str], candidate: Any, global_batch: int, target: Target)
         # dict best.yaml must reproduce); a packed candidate of such a job is refused as train.py would.
         candidate_cfg, _ = training_length(candidate_cfg)
         candidate_job = plan_job(candidate_cfg, HydraJob(run_dir=Path(".")), validate=False)
-        result.planned, result.components = planned_memory(candidate_cfg, candidate_job, target)
+        result.planned, result.components = planned_memory(candidate_cfg, candidate_job, target, shapes)
         # As train.py writes it: credentials left out, JSON types.
         result.ds_config = json.loads(json.dumps(credentials.split(candidate_job.ds_config)[0]))
     except (LauncherError, HydraException, OmegaConfBaseException) as err:

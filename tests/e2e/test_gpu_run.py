@@ -58,3 +58,25 @@ def test_the_rehearsal_writes_a_plain_loop_row_then_the_launchers_rows_with_thei
     profile = (out / "profile.md").read_text()
     assert f"The fastest launcher row: {fastest['candidate']} ({fastest['phase']})" in profile
     assert "# Where steps 3-3 went (rank 0)" in profile and "| matmuls |" in profile and "| idle |" in profile
+
+
+def test_its_plan_mode_plans_each_tuner_phase_at_data_max_length_and_from_the_records(isolated_env, tmp_path):
+    """`--plan GIB`: nothing trains; each tuner phase's candidates as the tuner plans them, side by side."""
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "bench/gpu_run.py", "--cpu", "--plan", "1", "--out-dir", str(out), "--work-dir",
+         str(tmp_path / "work"), "--phases", "fixed", "padding", "--records", "8"],
+        cwd=ROOT, env=isolated_env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert {path.name for path in out.iterdir()} == {"plan.md", "run.log"}
+    lines = (out / "plan.md").read_text().splitlines()
+    assert lines[0] == (
+        "| phase | candidate | planned MiB at data.max_length | planned MiB from the records | on 1 GiB |"
+    )
+    rows = [line.split(" | ") for line in lines[2:]]
+    assert [(row[0], row[1]) for row in rows] == [("| fixed", "z0-fp32-mb2-pad"), ("| padding", "z0-fp32-mb1-pad")]
+    for row in rows:
+        at_limit, from_records = (float(cell.replace(",", "")) for cell in row[2:4])
+        assert 0 < from_records <= at_limit, row
+    assert "candidates are planned from their lengths" in (out / "run.log").read_text()

@@ -114,6 +114,7 @@ def test_a_length_in_epochs_alone_is_in_range():
         (["data.n_train=0"], "data.n_train=0 must be positive"),
         (["data.image_size=4"], "data.image_size=4 must be at least 8"),
         (["data.max_length=0"], "data.max_length=0 must be a positive number of tokens per sample"),
+        (["data.pack_max_images=0"], "data.pack_max_images=0 must be positive"),
         (["data.num_workers=-1"], "data.num_workers=-1 must lie in [0, "),
         (["dist.nproc_per_node=0"], "dist.nproc_per_node=0 must be positive"),
         (["dist.master_port=70000"], "dist.master_port=70000 must be a TCP port in [1, 65535]"),

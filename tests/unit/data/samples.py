@@ -94,3 +94,24 @@ def long_records(root: Path) -> list[dict]:
     path = root / "long.json"
     path.write_text(json.dumps(rows))
     return load_records(path, root)[0]
+
+
+def vision_inputs_alone(processor, dataset, count: int) -> tuple[list[int], list[int] | None]:
+    """What each record's batch alone gives the vision tower, as CachedDataset.vision_inputs counts it: (images, a
+    video's temporal patches counted as images for the Qwen2-VL family, its tiled images in the pixel rows for
+    LLaVA; vision-tower patches where the batch has grids, else None)."""
+    from launcher.data.collate import Collator
+
+    collate = Collator(processor)
+    images, patches, grids = [], [], False
+    for index in range(count):
+        alone = collate([dataset[index]])
+        held = [alone[name] for name in ("image_grid_thw", "video_grid_thw") if name in alone]
+        grids = grids or bool(held)
+        if held:
+            images.append(sum(int(grid[:, 0].sum()) for grid in held))
+            patches.append(sum(int(grid.prod(-1).sum()) for grid in held))
+        else:
+            images.append(len(alone["pixel_values"]) if "pixel_values" in alone else 0)
+            patches.append(0)
+    return images, patches if grids else None

@@ -29,7 +29,7 @@ from launcher.data.formats import BadRecordError, skipped_entry
 from launcher.data.length import LengthLimit
 from launcher.data.records import ConversationDataset
 from launcher.model.loading import load_model_and_processor
-from tests.unit.data.samples import long_records
+from tests.unit.data.samples import long_records, vision_inputs_alone
 
 
 def build(
@@ -85,6 +85,12 @@ def test_cached_batches_equal_the_processors_bitwise(tmp_path, mixed_records, mo
             expected = collate([live[i] for i in rows])
             assert_same_batch(cached_collate([cached[i] for i in rows]), expected)
     assert cached.lengths().tolist() == [len(Collator(processor)([live[i]])["input_ids"][0]) for i in range(12)]
+    # What the memory planner reads of each record without its pixels: its images (0 to 3), and for Qwen2-VL
+    # their vision-tower patches, as the processor makes them.
+    images, patches = cached.vision_inputs()
+    expected_images, expected_patches = vision_inputs_alone(processor, live, 12)
+    assert images.tolist() == expected_images and sorted(set(expected_images)) == [0, 1, 2, 3]
+    assert (patches if patches is None else patches.tolist()) == expected_patches
     # Token ids and labels are stored in 32 bits (read back as the processor's int64, as compared above).
     for name in ("input_ids", "labels"):
         assert (info.path / "shards" / "00000" / f"{name}.bin").stat().st_size == 4 * sum(cached.lengths()[:5])

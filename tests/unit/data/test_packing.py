@@ -31,6 +31,25 @@ def test_a_record_over_the_budget_is_a_row_of_its_own_and_blocks_are_packed_apar
     assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
 
 
+def test_a_row_holds_at_most_max_images_and_records_without_images_still_fill_it():
+    """data.pack_max_images: the variable bench set's records with 0-3 images each, rows of 2,048 tokens of
+    at most 4 images; a record of more is a row of its own. Without a limit the plan is the plan of old (a
+    resume of an earlier run recomputes the same rows)."""
+    rng = np.random.default_rng(1)
+    lengths, images = rng.integers(20, 401, 2500), rng.integers(0, 4, 2500)
+    images[7] = 6  # more than the limit: alone
+    rows = pack_rows(lengths, 2048, seed=3, epoch=0, images=images, max_images=4)
+    assert sorted(i for row in rows for i in row) == list(range(2500))
+    assert all(sum(lengths[row]) <= 2048 for row in rows) and [7] in rows
+    assert max(images[row].sum() for row in rows if row != [7]) == 4
+    uncapped = pack_rows(lengths, 2048, seed=3, epoch=0)
+    assert max(images[row].sum() for row in uncapped) > 4
+    assert pack_rows(lengths, 2048, seed=3, epoch=0, images=images) == uncapped  # no limit: as before
+    assert any(images[row].sum() == 4 and 0 in images[row] for row in rows)  # text joins a row at its limit
+    # The limit binds here (~10 records of ~210 tokens fit 2,048, with ~15 images): rows are filled to it.
+    assert np.mean([images[row].sum() for row in rows]) > 3.9
+
+
 def test_the_collator_joins_each_rows_records_and_pads_the_rows_apart(model_and_processor):
     _, processor = model_and_processor
     pad = processor.tokenizer.pad_token_id

@@ -32,7 +32,7 @@ from launcher.data.video import (
 from launcher.model.loading import load_model_and_processor, without_video_processor
 from launcher.model.packing import packed_inputs
 from launcher.model.tiny import build_tiny_model_dir
-from tests.unit.data.samples import SIZES, VOCABULARY, write_image
+from tests.unit.data.samples import SIZES, VOCABULARY, vision_inputs_alone, write_image
 from tests.unit.model.test_packing import record_losses
 
 SAMPLING = VideoSampling(fps=2, min_frames=2, max_frames=4, max_pixels=None)
@@ -161,6 +161,13 @@ def test_the_cache_keeps_each_video_file_and_gives_the_batch_the_records_make_al
     assert stored[IMAGE_LENGTHS].tolist() == [len(file) for file in files]
     assert stored[VIDEO_FRAMES].tolist() == [4, 0]
     assert ("video_grid_thw" in stored) == takes_videos(processor)  # its tokens and grid kept, its pixels not
+    # The vision tower's share of each record, for the memory planner: a video as the images its frames make
+    # (LLaVA: its 4 frames tiled 2 x 2 into one; Qwen2-VL: 2 temporal patches of two frames), read without pixels.
+    images, patches = cached.vision_inputs()
+    assert (images.tolist(), patches if patches is None else patches.tolist()) == vision_inputs_alone(
+        processor, dataset, len(video_records)
+    )
+    assert images.tolist() == ([1, 2, 3, 0] if takes_videos(processor) else [1, 1, 2, 0])
     collate = Collator(processor)
     for index in range(len(video_records)):
         alone = collate([dataset[index]])

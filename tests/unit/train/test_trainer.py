@@ -144,6 +144,17 @@ def test_a_packed_job_resumes_with_the_losses_of_an_uninterrupted_one(train_in_p
     assert (stopped.path / weights).read_bytes() == (whole.run_dir / weights).read_bytes()
 
 
+def test_data_pack_max_images_caps_the_images_of_each_packed_row(train_in_process, tmp_path):
+    """Rows of 256 tokens hold 8 of the built-in set's one-image records; at most 3 images a row, each row
+    holds 3 and a step of 4 rows trains 12 records."""
+    capped = (*JOB, "train.max_steps=1", "train.save_every=0", "data.packing=true", "data.pack_length=256",
+              "train.micro_batch_size=2", "train.global_batch_size=4", "data.pack_max_images=3")  # fmt: skip
+    ran = train_in_process(*capped, run_dir=tmp_path / "capped")
+    assert ran.outcome.status == "completed", ran.outcome.error
+    first = read_metrics(ran.run_dir)[0]
+    assert first["perf/samples_per_sec"] * first["perf/step_time_s"] == pytest.approx(12)
+
+
 def test_the_first_update_moves_the_weights_and_each_step_logs_the_rate_it_applied(train_in_process, tmp_path):
     """Step k of the warm-up applies lr x k / warm-up steps (DeepSpeed's WarmupCosineLR as built gave the
     first two updates rate 0: a 1-step run saved its starting weights), then the cosine falls to

@@ -120,6 +120,26 @@ def test_batching_candidates_are_planned_and_one_the_job_cannot_honour_fails_bef
     assert t.results[2].note.startswith("data.packing=true with data.streaming=true")
 
 
+def test_the_tuner_builds_the_data_cache_first_and_plans_its_candidates_from_the_records(tmp_path):
+    """The candidates would each find the cache the first one built: the tuner builds it before planning
+    (as `python -m launcher.prepare` does), so a padded candidate is planned at the longest record's tokens,
+    not at data.max_length; a second tuning finds it built."""
+    overrides = ["train.micro_batch_size=4", "train.global_batch_size=8", "tune.presets=[z0]", "data.n_train=200",
+                 "data.n_eval=8", "data.max_length=1024", f"cache_dir={tmp_path / 'cache'}", "tune.precisions=[fp32]",
+                 "tune.micro_batch_sizes=[4]", "tune.gradient_checkpointing=[false]", "tune.batching=[pad]",
+                 f"tune.dir={tmp_path / 'tune'}", "logger=none"]  # fmt: skip
+    cfg = compose_typed(overrides)
+    said: list[str] = []
+    shapes = tuner._prepared_shapes(cfg, said.append)
+    assert shapes is not None and len(shapes.lengths) == 200 and shapes.lengths.max() < 100
+    assert said[0].startswith("tune: data cache built (200 train records, ") and "the longest " in said[0]
+    (at_limit,) = tuner._tuning(cfg, overrides).results
+    (from_records,) = tuner._tuning(cfg, overrides, shapes).results
+    assert from_records.components["activations"] < at_limit.components["activations"] / 10
+    assert from_records.components["model states"] == at_limit.components["model states"]
+    assert tuner._prepared_shapes(cfg, said.append) is not None and said[1].startswith("tune: data cache found (200")
+
+
 # ----------------------------------------------------------------------------- a real tuning
 def _inspect(run: Path, *, summary: bool) -> dict:
     wandb_cli = Path(sys.executable).with_name("wandb")
