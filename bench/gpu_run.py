@@ -526,7 +526,8 @@ def plan_phases(run: Run, phases: list[Phase], records: int, memory_gb: float, e
                      f"tune.dir={run.work / 'plan' / phase.name}", "logger=none", *extra]  # fmt: skip
         cfg = typed(compose(overrides))
         shapes = tuner._prepared_shapes(cfg, run.log)
-        at_limit, from_records = (tuner._tuning(cfg, overrides, each) for each in (None, shapes))
+        at_limit = tuner._tuning(cfg, overrides)
+        from_records = tuner._tuning(cfg, overrides, lambda shapes=shapes: shapes)
         for limit, records_plan in zip(at_limit.results, from_records.results, strict=True):
             why = prune_reason(records_plan.candidate, records_plan.planned, [], from_records.budget, 0.1)
             figures = [f"{r.planned / MiB:,.0f}" if r.planned else r.note for r in (limit, records_plan)]
@@ -535,7 +536,7 @@ def plan_phases(run: Run, phases: list[Phase], records: int, memory_gb: float, e
         if shapes is not None and packed is not None:  # the first epoch's rows, as the packed candidates train
             notes.append(packed_rows_line(phase.name, shapes, int(packed), cfg))
         run.log(f"{phase.name}: planned in {time.time() - started:.0f} s")
-        write_atomic(run.out / "plan.md", "\n".join([*lines, "", *notes]) + "\n")
+        write_atomic(run.out / "plan.md", "\n".join([*lines, *([""] if notes else []), *notes]) + "\n")
     return 0
 
 

@@ -107,7 +107,7 @@ def tune(overrides: Sequence[str], *, echo: Callable[[str], None] = print) -> Tu
     """Plan, prune, measure and report; returns the tuning (its pick: `pick(t.results)`)."""
     cfg = typed(compose(overrides))
     check_config(cfg, tuner=True)
-    t = _tuning(cfg, overrides, _prepared_shapes(cfg, echo))
+    t = _tuning(cfg, overrides, lambda: _prepared_shapes(cfg, echo))
     echo(t.space_line)
     write_outputs(t)
     tc = cfg.tune
@@ -191,9 +191,12 @@ def _prepared_shapes(cfg: Config, echo: Callable[[str], None]) -> RecordShapes |
     return shapes
 
 
-def _tuning(cfg: Config, overrides: Sequence[str], shapes: RecordShapes | None = None) -> Tuning:
-    """The tuning of the job `overrides` describes: its space, its budget, each candidate planned (`shapes`:
-    from its records' tokens and images)."""
+def _tuning(
+    cfg: Config, overrides: Sequence[str], shapes_of: Callable[[], RecordShapes | None] = lambda: None
+) -> Tuning:
+    """The tuning of the job `overrides` describes: its space, its budget, each candidate planned (from its
+    records' tokens and images when `shapes_of` gives them: called once the space is known to be sound, so a
+    refused setting costs no data preparation)."""
     tc = cfg.tune
     tunes_attention = bool(tc.attn_implementations)
     batchings = _batchings(cfg)
@@ -240,6 +243,7 @@ def _tuning(cfg: Config, overrides: Sequence[str], shapes: RecordShapes | None =
     t = Tuning(
         directory, base, global_batch, world_size, budget, source, left_out=left_out, device_kind=job.device.kind
     )
+    shapes = shapes_of()
     t.results = [_planned(base, candidate, global_batch, target, shapes) for candidate in candidates]
     heaviest = heaviest_stage(cfg)
     if heaviest is not None:

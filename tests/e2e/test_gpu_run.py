@@ -65,7 +65,7 @@ def test_its_plan_mode_plans_each_tuner_phase_at_data_max_length_and_from_the_re
     out = tmp_path / "out"
     done = subprocess.run(
         [sys.executable, "bench/gpu_run.py", "--cpu", "--plan", "1", "--out-dir", str(out), "--work-dir",
-         str(tmp_path / "work"), "--phases", "fixed", "padding", "--records", "8"],
+         str(tmp_path / "work"), "--phases", "fixed", "packing", "--records", "8"],
         cwd=ROOT, env=isolated_env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -74,9 +74,11 @@ def test_its_plan_mode_plans_each_tuner_phase_at_data_max_length_and_from_the_re
     assert lines[0] == (
         "| phase | candidate | planned MiB at data.max_length | planned MiB from the records | on 1 GiB |"
     )
-    rows = [line.split(" | ") for line in lines[2:]]
-    assert [(row[0], row[1]) for row in rows] == [("| fixed", "z0-fp32-mb2-pad"), ("| padding", "z0-fp32-mb1-pad")]
-    for row in rows:
-        at_limit, from_records = (float(cell.replace(",", "")) for cell in row[2:4])
-        assert 0 < from_records <= at_limit, row
+    rows = [line.split(" | ") for line in lines[2:4]]
+    assert [row[:2] for row in rows] == [["| fixed", "z0-fp32-mb2-pad"], ["| packing", "z0-fp32-mb1-pack2048"]]
+    fixed, packed = ([float(cell.replace(",", "")) for cell in row[2:4]] for row in rows)
+    assert 0 < fixed[1] <= fixed[0]  # records cut to data.max_length: at most the limit
+    assert packed[1] > 0 and packed[0] > 0  # a row's images from its plan, not from plan.text_tokens
+    # A packed phase's rows, as its candidates would train them: how full, how many images each holds.
+    assert lines[4] == "" and lines[5].startswith("- packing: ") and "(data.pack_max_images=12)" in lines[5]
     assert "candidates are planned from their lengths" in (out / "run.log").read_text()

@@ -134,7 +134,7 @@ def test_the_tuner_builds_the_data_cache_first_and_plans_its_candidates_from_the
     assert shapes is not None and len(shapes.lengths) == 200 and shapes.lengths.max() < 100
     assert said[0].startswith("tune: data cache built (200 train records, ") and "the longest " in said[0]
     (at_limit,) = tuner._tuning(cfg, overrides).results
-    (from_records,) = tuner._tuning(cfg, overrides, shapes).results
+    (from_records,) = tuner._tuning(cfg, overrides, lambda: shapes).results
     assert from_records.components["activations"] < at_limit.components["activations"] / 10
     assert from_records.components["model states"] == at_limit.components["model states"]
     assert tuner._prepared_shapes(cfg, said.append) is not None and said[1].startswith("tune: data cache found (200")
