@@ -216,6 +216,9 @@ class ModelConfig:
     # backward pass instead of keeping them. The language model and the vision tower separately.
     gradient_checkpointing: bool = False
     vision_gradient_checkpointing: bool = False
+    # torch.compile each layer's MLP and norms (language model and vision tower), what compilation fuses;
+    # not the attention, one fused kernel already. The first steps pay the compilation. Not at ZeRO-3.
+    compile: bool = False
     # Dynamic-resolution models (Qwen2-VL family): pixels per image after resizing, the main memory lever
     # (image tokens = pixels / (patch_size * merge)^2). null: the processor's own (a tiny model's image_size^2).
     min_pixels: int | None = None

@@ -20,7 +20,7 @@ from launcher.config.stages import Stage, stage_ds_config
 from launcher.core.logs import quiet_transformers
 from launcher.core.summary import Summary
 from launcher.job.spec import Job
-from launcher.model.components import apply_freeze, enable_gradient_checkpointing
+from launcher.model.components import apply_freeze, compile_layers, enable_gradient_checkpointing
 from launcher.model.groups import OptimizerGroup, optimizer_groups, stage_specs
 from launcher.model.loading import load_model_and_processor, random_build, read_config, resolve_attn_implementation
 from launcher.model.method import (
@@ -237,6 +237,10 @@ def load_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(job.config.train.seed))
         model = apply_method(model, method, model_cfg)
+    if model_cfg.compile:
+        compiled = compile_layers(model)
+        if rank.is_main:
+            log.info("model.compile: %d layer parts compiled (each layer's MLP and norms)", len(compiled))
     counts = parameter_counts(model)
     summary.params_total, summary.params_trainable = counts["total"], counts["trainable"]
     summary.trainable_fraction = counts["trainable"] / max(counts["total"], 1)

@@ -163,6 +163,27 @@ def test_varlen_packed_attention_gives_the_per_record_sdpas_loss_and_gradients(t
 
 
 @cuda_only
+@pytest.mark.parametrize("arch", ["tiny_llava", "tiny_qwen2_vl"])
+def test_compiled_layers_give_the_eager_loss_and_gradients_on_cuda(tmp_path, arch):
+    """model.compile (each layer's MLP and norms through torch.compile, inductor's CUDA kernels) against the
+    same weights eager, in bf16: equal to bf16's precision."""
+    from launcher.data.cache import RecordEncoder
+    from launcher.data.length import pad_rows
+    from launcher.model.components import compile_layers
+    from tests.unit.model.test_logps import RECORDS
+
+    model, processor = _tiny_on_cuda(arch, tmp_path / arch)
+    tensors = [RecordEncoder(processor, None, "pixels")(record)[0] for record in RECORDS]
+    batch = pad_rows(tensors, processor.tokenizer.pad_token_id)
+    eager = _loss_and_grads(model, batch, 1024)
+    model.zero_grad(set_to_none=True)
+    assert compile_layers(model)
+    compiled = _loss_and_grads(model, batch, 1024)
+    assert compiled[0] == pytest.approx(eager[0], rel=2e-2)
+    assert float(torch.nn.functional.cosine_similarity(compiled[1], eager[1], dim=0)) > 0.99
+
+
+@cuda_only
 def test_the_chunked_loss_needs_a_fraction_of_the_whole_logits_memory_at_a_real_vocabulary(tmp_path):
     """A Qwen2-VL of 64 wide with a tokenizer of a few hundred words, its output layer widened to Qwen2-VL's
     151,936 words, on 4 rows of ~200 tokens: the chunked loss's peak over forward + backward is below the

@@ -274,6 +274,11 @@ CASES = [
         "model.path={models}/good is given, but model=tiny_llava builds a tiny model from code and would ignore it",
     ),
     Case(
+        "compile-at-zero-3",
+        ("model.compile=true", "deepspeed=z3"),
+        "model.compile=true with ZeRO-3: DeepSpeed gathers each layer's partitioned weights in hooks that",
+    ),
+    Case(
         "tiny-base-for-a-real-model",
         ("model=qwen2_vl_2b", "model.tiny_base=shape"),
         "model.tiny_base=shape sets a tiny model's starting weights, and model=qwen2_vl_2b is model.source=pretrained",

@@ -155,6 +155,18 @@ def test_data_pack_max_images_caps_the_images_of_each_packed_row(train_in_proces
     assert first["perf/samples_per_sec"] * first["perf/step_time_s"] == pytest.approx(12)
 
 
+def test_model_compile_trains_the_same_losses(train_in_process, tmp_path):
+    """model.compile=true (each layer's MLP and norms compiled, tests/unit/model/test_components.py) through
+    the whole job at ZeRO 0: the uncompiled run's losses."""
+    curves = {}
+    for compiled in ("false", "true"):
+        ran = train_in_process(*JOB, "train.max_steps=2", "train.save_every=0", f"model.compile={compiled}",
+                               run_dir=tmp_path / compiled)  # fmt: skip
+        assert ran.outcome.status == "completed", ran.outcome.error
+        curves[compiled] = losses(ran.run_dir)
+    assert curves["true"] == pytest.approx(curves["false"], rel=1e-5)
+
+
 def test_the_first_update_moves_the_weights_and_each_step_logs_the_rate_it_applied(train_in_process, tmp_path):
     """Step k of the warm-up applies lr x k / warm-up steps (DeepSpeed's WarmupCosineLR as built gave the
     first two updates rate 0: a 1-step run saved its starting weights), then the cosine falls to
