@@ -67,8 +67,8 @@ def check_inputs(config: Config, job: Job, *, launching: bool) -> None:
 
 def check_compile(config: Config, ds_config: dict[str, Any]) -> None:
     """model.compile at ZeRO-3 is refused: DeepSpeed gathers each module's weights in hooks it marks as not to
-    be compiled, so every compiled MLP and norm breaks into pieces around them (measured: the same losses,
-    graph breaks at every hook), a slower eager than eager."""
+    be compiled, so every compiled MLP and norm breaks into pieces around them (seen on the tiny model here:
+    the same losses, and graph breaks at every hook)."""
     if config.model.compile and int(ds_config["zero_optimization"]["stage"]) == 3:
         raise LauncherError(
             "model.compile=true with ZeRO-3: DeepSpeed gathers each layer's partitioned weights in hooks that "
