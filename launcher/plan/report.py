@@ -192,12 +192,13 @@ def preflight(cfg: Config, spec: Job) -> str | None:
     return preflight_plan(cfg, spec)[0]
 
 
-def preflight_plan(cfg: Config, spec: Job) -> tuple[str | None, int]:
+def preflight_plan(cfg: Config, spec: Job, *, from_records: bool = True) -> tuple[str | None, int]:
     """preflight()'s line, and the planner's bytes per rank for the job (`planned_bytes`): what the run
-    records beside its measured peak (summary.json's planned_memory_bytes)."""
+    records beside its measured peak (summary.json's planned_memory_bytes). From the records of the job's data
+    cache where it is built (`from_records=False`: as if it were not)."""
     stats = model_stats(cfg, path=spec.model_path)  # the job's model, already resolved (None: resolved here)
     target = target_device(cfg.plan)
-    shapes = record_shapes(cfg, spec.model_path or model_dir(cfg))
+    shapes = record_shapes(cfg, spec.model_path or model_dir(cfg)) if from_records else None
     seq_len, images = sequence(cfg, stats, shapes)
     layout = layout_from_ds_config(spec.ds_config, world_size=spec.world_size, ranks_per_node=spec.ranks_per_node)
     est = estimate(stats, layout, seq_len=seq_len, images=images, **preference_terms(cfg.loss))
