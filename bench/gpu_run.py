@@ -19,10 +19,10 @@ is less than it needs:
   z2        packed 8,192 at ZeRO 2 with activation checkpointing, micro batches 2 and 4.
   profile   the fastest launcher row so far once more, its step 3 profiled (train.profile_steps): where the
             step goes, by part (launcher/train/profile.py), as OUT/profile.md.
-  compile   the fixed row with model.compile=true (each layer's MLP and norms compiled by torch.compile; the
-            first step pays the compilation): what fusing them buys, as a ratio to the fixed row.
   lora7b    Qwen2.5-VL-7B (8,292,166,656 parameters) LoRA, packed 16,384, checkpointing, micro batch 1.
   z3_7b     Qwen2.5-VL-7B full at ZeRO 3, packed 16,384, checkpointing, micro batch 1.
+  compile   the fixed row with model.compile=true (each layer's MLP and norms compiled by torch.compile; the
+            first step pays the compilation): what fusing them buys, as a ratio to the fixed row.
   video16   Qwen2-VL-2B on video records (issue 43): one clip each, 16 frames of 448 x 448 sampled (4 per
             second of a 4 s clip), taken as a video (8 temporal patches of two frames: 2,048 tokens), a
             200-word answer; micro batches 1, 2, 4, padded, ZeRO 0, decoded by 4 DataLoader workers.
@@ -119,12 +119,12 @@ def gpu_phases() -> list[Phase]:
         Phase("z2", 60, qwen2, QWEN2_VL_2B,
               overrides=(*two_b, ROW_IMAGES, *space("z2", "2,4", "true", "pack", 8192, 8192, 8))),
         Phase("profile", 60, qwen2, QWEN2_VL_2B),  # the fastest launcher row so far, its step 3 profiled
-        Phase("compile", 90, qwen2, QWEN2_VL_2B, data="fixed",  # the fixed row, each layer's MLP and norms compiled
-              overrides=(*two_b, "model.compile=true", *space("z0", "8", "false", "pad", None, 1024, 8))),
         Phase("lora7b", 75, qwen25, QWEN2_5_VL_7B, method="lora",
               overrides=(*seven_b, "method=lora", *space("z0", "1", "true", "pack", 16384, 16384, 4))),
         Phase("z3_7b", 90, qwen25, QWEN2_5_VL_7B,
               overrides=(*seven_b, *space("z3", "1", "true", "pack", 16384, 16384, 4))),
+        Phase("compile", 90, qwen2, QWEN2_VL_2B, data="fixed",  # the fixed row, each layer's MLP and norms compiled
+              overrides=(*two_b, "model.compile=true", *space("z0", "8", "false", "pad", None, 1024, 8))),
         Phase("video16", 90, qwen2, QWEN2_VL_2B, data="video16",
               overrides=(*two_b, *VIDEO_LOADING, *space("z0", "1,2,4", "false", "pad", None, 2560, 4))),
         Phase("video64", 90, qwen2, QWEN2_VL_2B, data="video64",
@@ -159,10 +159,10 @@ def cpu_phases(small: dict[str, Path]) -> list[Phase]:
         Phase("padding", 10, qwen2, small["qwen2_vl"],
               overrides=(*two_b, *space("z0", "1", "false", "pad", None, 2048, 2))),
         Phase("profile", 10, qwen2, small["qwen2_vl"]),
-        Phase("compile", 10, qwen2, small["qwen2_vl"], data="fixed",
-              overrides=(*two_b, "model.compile=true", *space("z0", "2", "false", "pad", None, 1024, 2))),
         Phase("lora7b", 10, qwen25, small["qwen2_5_vl"], method="lora",
               overrides=(*seven_b, "method=lora", *space("z0", "1", "false", "pack", 2048, 2048, 1))),
+        Phase("compile", 10, qwen2, small["qwen2_vl"], data="fixed",
+              overrides=(*two_b, "model.compile=true", *space("z0", "2", "false", "pad", None, 1024, 2))),
         Phase("video16", 10, qwen2, small["qwen2_vl"], data="video4x224",
               overrides=(*two_b, *space("z0", "1", "false", "pad", None, 2560, 1))),
     ]  # fmt: skip
