@@ -845,7 +845,7 @@ class CachedDataset(Dataset):
 
     def lengths(self) -> np.ndarray:
         """Tokens per record (image tokens included), an int64 array: what length-grouped batches sort by."""
-        return np.concatenate([np.diff(offsets["input_ids"]) for offsets in self.offsets])
+        return self._per_record("input_ids")
 
     def vision_inputs(self) -> tuple[np.ndarray, np.ndarray | None]:
         """Per record, from the offsets and grids alone (int64 arrays): what its vision tower takes, in images (a

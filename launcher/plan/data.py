@@ -78,14 +78,21 @@ def _cache(cfg: Config, source: Source, index: DataCost, encode: RecordEncoder |
 def _encoder(cfg: Config, model_path: str) -> RecordEncoder | None:
     """The job's record encoder, when its processor is in a local directory (a hub id is not fetched for a
     plan: no build time then)."""
+    processor = _local_processor(cfg, model_path)
+    if processor is None:
+        return None
+    return RecordEncoder(processor, LengthLimit.of(cfg.data), video=VideoSampling.of(cfg.data.video))  # images: _cache
+
+
+def _local_processor(cfg: Config, model_path: str):
+    """The job's processor when it is in a local directory, else None (a hub id is not fetched for a plan)."""
     if not Path(model_path).expanduser().is_dir():
         return None
     try:
-        processor = load_processor(model_path, min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
+        return load_processor(model_path, min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
     except (LauncherError, OSError, ValueError) as err:
         log.debug("no processor for the data plan: %s", err)
         return None
-    return RecordEncoder(processor, LengthLimit.of(cfg.data), video=VideoSampling.of(cfg.data.video))  # images: _cache
 
 
 def record_shapes(cfg: Config, model_path: str) -> RecordShapes | None:
@@ -103,12 +110,8 @@ def record_shapes(cfg: Config, model_path: str) -> RecordShapes | None:
             identity = file_identity(source.path)
             if identity is None or read_index_meta(index_table(identity, source.options, cache / INDEX_DIR)) is None:
                 return None
-    if not Path(model_path).expanduser().is_dir():
-        return None
-    try:
-        processor = load_processor(model_path, min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
-    except (LauncherError, OSError, ValueError) as err:
-        log.debug("no processor to find the data cache for the plan: %s", err)
+    processor = _local_processor(cfg, model_path)
+    if processor is None:
         return None
     train = read_data(data, cache).train
     path = job_cache_path(data, cache, model_path, processor, train)
