@@ -76,7 +76,8 @@ BNB_CUDA=130                                               # the image's torch.v
 # Binary wheels from PyPI, pinned to the project's venv.
 CORE=(hydra-core==1.3.8 omegaconf==2.3.1 hjson==3.1.0
       pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
-      transformers==5.24.0 peft==0.21.2 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19)
+      transformers==5.24.0 peft==0.21.2 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+      liger-kernel==0.8.5)   # model.kernels=liger (0.9 MB, py3-none-any); its Triton is the image's 3.6.0
 # Hydra's optuna sweeper, joblib and submitit launchers (tests/e2e/test_sweep.py, tests/e2e/test_dist.py, dist=slurm).
 PLUGINS=(hydra-optuna-sweeper==1.3.0 optuna==2.10.1 alembic==1.20.1 sqlalchemy==2.1.9 mako==1.4.3 cmaes==0.13.1
          colorlog==6.12.0 cliff==4.17.0 autopage==0.6.0 cmd2==4.3.1 prompt-toolkit==3.0.53 rich==15.0.0

@@ -14,6 +14,8 @@ is less than it needs:
             448-pixel image cut to 1,024 tokens (data.max_length), micro batch 8, ZeRO 0, bf16.
   packing   variable-length records (one image and 20 to 1,800 answer words each: about 290 to 2,070
             tokens), packed into rows of 8,192 of at most 12 images at micro batches 1, 2, 4, ZeRO 0;
+  liger     the packing phase's rows (micro batches 1 and 2) with model.kernels=liger: liger-kernel's fused
+            loss, RMSNorm, SwiGLU, rotary and LayerNorm kernels (docs/models.md), as a ratio to those rows.
   padding   the same records, length grouping and plain padding at micro batches 2, 4, 8
             (data.max_length 2,304; the tuner plans them at the longest record its data cache holds).
   z2        packed 8,192 at ZeRO 2 with activation checkpointing, micro batches 2 and 4.
@@ -41,9 +43,9 @@ the list bench/results/gpu.json keeps), OUT/gpu.md (the table with each row's ra
 OUT/profile.md, OUT/run.log. OUT is --out-dir, else $OUT, else outputs/bench/gpu_run/TIME. Work files (data, tuner
 directories) stay in --work-dir (outputs/bench/gpu_run/work).
 
-CPU mode (--cpu): the same phases on shrunk configs of the same two families (64 wide, 2 layers, the real
-vocabularies and image processors), fp32, rows of 1,024 and 2,048 tokens, a few records; the figures mean
-nothing, the path is what is rehearsed (tests/e2e/test_gpu_run.py).
+CPU mode (--cpu): the same phases but liger (its kernels need CUDA) on shrunk configs of the same two families
+(64 wide, 2 layers, the real vocabularies and image processors), fp32, rows of 1,024 and 2,048 tokens, a few
+records; the figures mean nothing, the path is what is rehearsed (tests/e2e/test_gpu_run.py).
 """
 
 from __future__ import annotations
@@ -112,6 +114,8 @@ def gpu_phases() -> list[Phase]:
               overrides=(*two_b, *space("z0", "8", "false", "pad", None, 1024, 8))),
         Phase("packing", 90, qwen2, QWEN2_VL_2B,
               overrides=(*two_b, ROW_IMAGES, *space("z0", "1,2,4", "false", "pack", 8192, 8192, 8))),
+        Phase("liger", 60, qwen2, QWEN2_VL_2B,
+              overrides=(*two_b, ROW_IMAGES, LIGER, *space("z0", "1,2", "false", "pack", 8192, 8192, 8))),
         # 2,304 holds the longest record (about 2,100 tokens) with room; the tuner plans the candidates from the
         # records' lengths in the data cache it builds first (docs/tune.md).
         Phase("padding", 90, qwen2, QWEN2_VL_2B,
@@ -136,6 +140,7 @@ def gpu_phases() -> list[Phase]:
 # hold up to 23 images (7.0 on average) and the planner prunes micro batch 2; with it 96.1% of a row is records
 # (99.5% without) and micro batch 2 plans 127,862 MiB (`python bench/gpu_run.py --plan 139`, BENCHMARKS.md).
 ROW_IMAGES = "data.pack_max_images=12"
+LIGER = "model.kernels=liger"
 
 # Video phases only when asked for (--phases): their call carries PyAV (bench/device_wheels.sh WITH_AV=1).
 ASKED_ONLY = ("video16", "video64")
@@ -144,7 +149,10 @@ VIDEO_LOADING = ("data.num_workers=4",)
 
 def cpu_phases(small: dict[str, Path]) -> list[Phase]:
     """The rehearsal: each GPU phase's path on shrunk configs, fp32, short rows (z2's and z3_7b's paths are
-    the packing phase's with another ZeRO stage: left out to keep the rehearsal short)."""
+    the packing phase's with another ZeRO stage: left out to keep the rehearsal short). The liger phase is the
+    packing phase's with model.kernels=liger, left out too: its kernels need CUDA, and in Triton's interpreter
+    the fused loss over the real vocabulary took 169 s for one step of 128 answer tokens (the fused loss is
+    tests/unit/model/test_kernels.py's, the whole job with it tests/unit/train/test_trainer.py's)."""
     base = ("model.source=random", "model.freeze_vision=false", "tune.precisions=[fp32]", "train.grad_accum=null",
             "train.max_steps=1000", "tune.warmup_steps=1", "tune.measure_steps=1", "tune.confirm_runs=0")  # fmt: skip
     two_b = ("model=qwen2_vl_2b", f"model.path={small['qwen2_vl'].parent}", *base)
@@ -316,6 +324,8 @@ def tune_row(result: dict[str, Any], phase: Phase, context: dict[str, Any], warm
         "preset": candidate["preset"],
         "checkpointing": bool(candidate["checkpointing"]),
         "method": phase.method,
+        "kernels": "liger" if LIGER in phase.overrides else "torch",
+        "compile": "model.compile=true" in phase.overrides,
         "real_tokens_per_s": result.get("tokens_per_s"),
         "mfu": result.get("mfu"),
         "peak_mib": None if peak is None else peak / MiB,

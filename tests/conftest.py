@@ -15,6 +15,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # liger-kernel's Triton kernels (model.kernels=liger) run here in Triton's interpreter, on the CPU: the fused
+    # loss is checked against the torch path. Triton reads this when the kernels are defined, at import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from launcher.train.ops import extensions_dir
 from tests.helpers import QUICK, Ran, one_rank_group, run_here, run_train_py, subprocess_env, train_here

@@ -55,6 +55,8 @@ LoggerMode = _choice("LoggerMode", ("auto", "online", "offline", "disabled"))
 Preflight = _choice("Preflight", ("warn", "error", "off"))
 Method = _choice("Method", ("full", "lora", "qlora"))
 AttnImplementation = _choice("AttnImplementation", ("auto", "eager", "sdpa", "flash_attention_2"))
+# The kernels of the layers and the loss besides the attention: torch's, or liger-kernel's fused Triton ones.
+Kernels = _choice("Kernels", ("torch", "liger"))
 Batching = _choice("Batching", ("pad", "group", "pack"))
 ShapesTask = _choice("ShapesTask", ("shape", "colour", "motion"))
 # A tiny model's starting weights (model.tiny_base): random, or pretrained once on one of the built-in set's
@@ -219,6 +221,10 @@ class ModelConfig:
     # torch.compile each layer's MLP and norms (language model and vision tower), what compilation fuses;
     # not the attention, one fused kernel already. The first steps pay the compilation. Not at ZeRO-3.
     compile: bool = False
+    # liger: liger-kernel's fused kernels (launcher.model.kernels): the output layer with the loss, the language
+    # model's RMSNorms, SwiGLU MLPs and rotary embedding, the vision tower's LayerNorms. Needs CUDA (and the
+    # liger-kernel package); not with model.compile. torch: torch's own.
+    kernels: Kernels = Kernels.torch
     # Dynamic-resolution models (Qwen2-VL family): pixels per image after resizing, the main memory lever
     # (image tokens = pixels / (patch_size * merge)^2). null: the processor's own (a tiny model's image_size^2).
     min_pixels: int | None = None

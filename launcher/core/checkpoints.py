@@ -179,6 +179,8 @@ RESUMABLE_CHANGES = {
         "attn_implementation",
         "gradient_checkpointing",
         "vision_gradient_checkpointing",
+        "compile",
+        "kernels",
         "min_pixels",
         "max_pixels",
     }
@@ -190,7 +192,8 @@ def incompatibilities(
 ) -> list[str]:
     """What differs between the job that wrote a checkpoint and this one ("key: old -> new").
 
-    How the model runs (attention kernel, activation checkpointing, image resolution) may change on a
+    How the model runs (attention kernel, activation checkpointing, compilation, liger's kernels, image
+    resolution) may change on a
     resume: the weights are the same. So may the world size and ZeRO stage (launcher.job.reshard decides
     how). A key the checkpoint does not record (an older launcher's) is not compared."""
     differences = []

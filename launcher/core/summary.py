@@ -61,6 +61,7 @@ class Summary:
     partitioned_at_load: bool | None = None  # ZeRO-3 partitioned the weights while loading them
     method: str | None = None
     attn_implementation: str | None = None
+    kernels: str | None = None  # model.kernels as it ran: "torch", or liger's parts and where the loss went
     # How the loss reads the output layer: "chunks of N answer tokens" (launcher.model.logps), or "whole logits".
     loss_logits: str | None = None
     base_model: str | None = None  # the directory or hub id the weights were loaded from

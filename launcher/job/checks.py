@@ -28,6 +28,7 @@ from launcher.data.stream import stream_files
 from launcher.job.spec import Job
 from launcher.model.components import base_model
 from launcher.model.groups import assign, stage_specs
+from launcher.model.kernels import check_kernels
 from launcher.model.loading import (
     check_hub_model,
     check_pixel_limits,
@@ -61,6 +62,7 @@ def check_inputs(config: Config, job: Job, *, launching: bool) -> None:
     check_groups(config, job.ds_config, job.stages)
     check_model_choices(config, job.device.kind, job.precision, launching=launching)
     check_compile(config, job.ds_config)
+    check_kernels(config.model, job.device.kind, launching=launching)
     if launching:
         check_local_ranks(config.dist, job.device.kind)
 

@@ -16,7 +16,8 @@ DeepSpeed's hooks (ZeRO-3 gathers its weight) and peft's adapters see ordinary c
 
 `install_answer_logps(model)` gives a loaded model's forward a second mode, used by the losses
 (launcher.train.losses): called with `answer_labels=LABELS, answer_chunk=N` it returns each row's summed
-log-probability of its labelled tokens ([rows], fp32) instead of an output with logits. Without those
+log-probability of its labelled tokens ([rows], fp32) instead of an output with logits (with
+`answer_total=True`, their sum over the rows, [1]). Without those
 keywords (generation, evaluation by exact match, export) it is the model's own forward.
 """
 
@@ -32,9 +33,11 @@ from torch.utils.checkpoint import checkpoint
 
 from launcher.core.scopes import scope
 from launcher.data.length import IGNORE_INDEX
+from launcher.model.kernels import fused_loss_installed
 
 ANSWER_LABELS = "answer_labels"  # the keyword that switches a model's forward to row log-probs
 ANSWER_CHUNK = "answer_chunk"  # tokens per chunk through the output layer
+ANSWER_TOTAL = "answer_total"  # True: the sum over all rows [1] (what SFT needs), not each row's
 
 
 def answer_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -54,20 +57,36 @@ def _token_logps(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -
     return torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def chunked_answer_logps(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
-    """`answer_logps` of `head(hidden)` without the whole logits: [rows], fp32.
+def chunked_answer_logps(
+    head: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    chunk: int,
+    *,
+    total: bool = False,
+    fused: bool = False,
+) -> torch.Tensor:
+    """`answer_logps` of `head(hidden)` without the whole logits: [rows], fp32; `total`: their sum, [1].
 
     `hidden`: the last hidden states [rows, length, width]; `labels`: [rows, length], IGNORE_INDEX where
-    nothing is predicted. Only positions whose next token is labelled reach `head`, `chunk` at a time."""
+    nothing is predicted. Only positions whose next token is labelled reach `head`, `chunk` at a time, or
+    (`fused`, model.kernels=liger) through liger's fused linear cross-entropy, in chunks of its own
+    (launcher.model.kernels)."""
     with scope("loss"):  # a profile's part (launcher.train.profile)
-        return _chunked(head, hidden, labels, chunk)
+        return _chunked(head, hidden, labels, chunk, total=total, fused=fused)
 
 
-def _chunked(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+def _chunked(
+    head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk: int, *, total: bool, fused: bool
+) -> torch.Tensor:
     targets = labels[:, 1:]
     labelled = targets != IGNORE_INDEX
     rows = labelled.nonzero()[:, 0]  # the row of each labelled position, in order
     picked, wanted = hidden[:, :-1][labelled], targets[labelled]
+    if fused:
+        from launcher.model.kernels import fused_answer_logps
+
+        return fused_answer_logps(head, picked, wanted, rows, labels.shape[0], total=total)
     keep_graph_small = torch.is_grad_enabled()
     pieces = []
     # At least one call, even with no labelled token: the result then still hangs off the model's graph
@@ -79,6 +98,8 @@ def _chunked(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk:
         else:
             pieces.append(_token_logps(head, picked[part], wanted[part]))
     token_logps = torch.cat(pieces)
+    if total:
+        return token_logps.sum().reshape(1)
     return torch.zeros(labels.shape[0], dtype=token_logps.dtype, device=token_logps.device).index_add(
         0, rows.to(token_logps.device), token_logps
     )
@@ -101,12 +122,14 @@ def install_answer_logps(model: nn.Module) -> bool:
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         labels = kwargs.pop(ANSWER_LABELS, None)
         chunk = kwargs.pop(ANSWER_CHUNK, None)
+        total = bool(kwargs.pop(ANSWER_TOTAL, False))
         if labels is None:
             return type(self).forward(self, *args, **kwargs)
         for unused in ("labels", "logits_to_keep"):
             kwargs.pop(unused, None)
         hidden = self.model(*args, **kwargs).last_hidden_state
-        return chunked_answer_logps(self.lm_head, hidden, labels.to(hidden.device), int(chunk))
+        labels, fused = labels.to(hidden.device), fused_loss_installed(self)
+        return chunked_answer_logps(self.lm_head, hidden, labels, int(chunk), total=total, fused=fused)
 
     # generate() checks its inputs against the forward's signature: the class's own.
     forward.__signature__ = inspect.signature(type(model).forward)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 from launcher.config.schema import Config
 from launcher.core.errors import LauncherError
@@ -117,6 +118,12 @@ def record_shapes(cfg: Config, model_path: str) -> RecordShapes | None:
     path = job_cache_path(data, cache, model_path, processor, train)
     if built_cache(path) is None:
         return None
+    return cache_shapes(path, processor)
+
+
+def cache_shapes(path: Path, processor: Any) -> RecordShapes:
+    """The tokens and images of each record of the built data cache at `path` (read from its offsets and
+    grids: no pixel is read)."""
     cached = CachedDataset(path, processor)
     images, patches = cached.vision_inputs()
     return RecordShapes(cached.lengths(), images, patches, str(path))

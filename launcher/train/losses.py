@@ -22,7 +22,7 @@ from torch import nn
 
 from launcher.data.length import IGNORE_INDEX
 from launcher.model.components import base_model
-from launcher.model.logps import ANSWER_CHUNK, ANSWER_LABELS, answer_logps
+from launcher.model.logps import ANSWER_CHUNK, ANSWER_LABELS, ANSWER_TOTAL, answer_logps
 
 
 def answer_tokens(batch: dict[str, Any]) -> int:
@@ -44,6 +44,12 @@ def row_logps(model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, ch
     if chunk and logps_installed(model):
         return model(**inputs, **{ANSWER_LABELS: labels, ANSWER_CHUNK: chunk})
     return answer_logps(model(**inputs).logits, labels)
+
+
+def total_logp(model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """`row_logps` summed over the rows, fp32 [1], through the row log-probs mode (whose fused loss,
+    model.kernels=liger, makes a total's gradients in its forward pass)."""
+    return model(**inputs, **{ANSWER_LABELS: labels, ANSWER_CHUNK: chunk, ANSWER_TOTAL: True})
 
 
 class Sums:
@@ -104,7 +110,7 @@ class AnswerCrossEntropy(Loss):
         inputs = to_device(batch)
         if self.chunk and logps_installed(model):
             labels = inputs.pop("labels")
-            loss = -row_logps(model, inputs, labels, self.chunk).sum() / max(tokens, 1)
+            loss = -total_logp(model, inputs, labels, self.chunk).sum() / max(tokens, 1)
         else:
             loss = model(**inputs).loss
         sums.loss += float(loss.detach()) * tokens

@@ -42,6 +42,7 @@ from launcher.job.reshard import resumed_batches
 from launcher.job.spec import Job
 from launcher.model.components import base_model, model_components
 from launcher.model.flops import FlopModel
+from launcher.model.kernels import fused_loss_installed
 from launcher.model.packing import use_packed_attention
 from launcher.tracking.wandb_run import read_run_id, start_for_job
 from launcher.train import checkpoint
@@ -198,6 +199,8 @@ def build_loss(
     if not logps_installed(engine.engine):  # a model layout without the row log-probs mode
         chunk = 0
     summary.loss_logits = f"chunks of {chunk} answer tokens" if chunk else "whole logits"
+    if chunk and fused_loss_installed(base_model(engine.engine.module)):
+        summary.loss_logits = "liger's fused linear cross-entropy (chunks of its own)"
     if not job.config.data.pairs:
         return AnswerCrossEntropy(chunk=chunk)
     reference = build_reference(

@@ -103,13 +103,17 @@ def planned_memory(
     return total, components
 
 
-def tune(overrides: Sequence[str], *, echo: Callable[[str], None] = print) -> Tuning:
-    """Plan, prune, measure and report; returns the tuning (its pick: `pick(t.results)`)."""
+def tune(
+    overrides: Sequence[str], *, echo: Callable[[str], None] = print, written: Callable[[Path], None] = lambda _: None
+) -> Tuning:
+    """Plan, prune, measure and report; returns the tuning (its pick: `pick(t.results)`). `written` is told the
+    tuning's directory once its tune.md exists (kept up to date from then on)."""
     cfg = typed(compose(overrides))
     check_config(cfg, tuner=True)
     t = _tuning(cfg, overrides, lambda: _prepared_shapes(cfg, echo))
     echo(t.space_line)
     write_outputs(t)
+    written(t.directory)
     tc = cfg.tune
     for index, result in enumerate(t.results, start=1):
         where = f"[{index}/{len(t.results)}]"
@@ -169,20 +173,21 @@ def confirm(t: Tuning, tc: Any, echo: Callable[[str], None]) -> None:
 def _prepared_shapes(cfg: Config, echo: Callable[[str], None]) -> RecordShapes | None:
     """The job's data prepared as its candidates would find it (`python -m launcher.prepare`: the record index
     and the data cache, built once here rather than by the first candidate), and the tokens and images of
-    its records read from that cache: what the candidates are planned by. None without a data cache
-    (data.cache=false, streaming): then they are planned at data.max_length."""
+    its records read from the cache it built or found: what the candidates are planned by. None without a
+    data cache (data.cache=false, streaming): then they are planned at data.max_length."""
     if not cfg.data.cache or cfg.data.streaming:
         return None
     from launcher.data.cache import Part
     from launcher.job.data import prepare
-    from launcher.plan.data import record_shapes
+    from launcher.model.loading import load_processor
+    from launcher.plan.data import cache_shapes
 
     started = time.perf_counter()
     _, caches = prepare(cfg, Part())
-    shapes = record_shapes(cfg, model_dir(cfg))
-    if shapes is None:  # e.g. a hub id's processor: the cache is built, but not looked up without it
-        return None
     info = caches["train"]
+    # The processor prepare() used (a hub id's too: fetched there, then from the hub's own cache)
+    processor = load_processor(model_dir(cfg), min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
+    shapes = cache_shapes(info.path, processor)
     echo(
         f"tune: data cache {'built' if info.built else 'found'} ({info.records:,} train records, "
         f"{time.perf_counter() - started:.1f} s): candidates are planned from their lengths (the longest "
@@ -392,8 +397,16 @@ def log_to_wandb(t: Tuning, overrides: Sequence[str]) -> str | None:
 
 
 # ================================================================================ command line
-def _stopped(signum: int, _frame: object) -> None:
-    raise Interrupted(f"tune: stopped by {name(signum)}; tune.md in the directory named above holds what was measured")
+def _stop_handler(written: list[Path]) -> Callable[[int, object], None]:
+    """A stop signal's one line: where tune.md holds what was measured, or that nothing was (a stop while the
+    data is prepared or the candidates are planned)."""
+
+    def stopped(signum: int, _frame: object) -> None:
+        if written:
+            raise Interrupted(f"tune: stopped by {name(signum)}; {written[-1] / 'tune.md'} holds what was measured")
+        raise Interrupted(f"tune: stopped by {name(signum)} before any candidate ran; nothing was measured")
+
+    return stopped
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -404,8 +417,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # A stop signal between candidates (composing, planning, reporting) ends the tuning in one line; during
         # a candidate, run_job forwards it to the ranks and the tuner stops once that candidate has stopped.
-        with handling(STOP_SIGNALS, _stopped):
-            t = tune(overrides)
+        written: list[Path] = []
+        with handling(STOP_SIGNALS, _stop_handler(written)):
+            t = tune(overrides, written=written.append)
             write_plot(t, t.directory / "tune.png")  # tune() wrote the tables and best.yaml already
             wandb_dir = log_to_wandb(t, overrides)
     except (HydraException, OmegaConfBaseException) as err:

@@ -22,10 +22,11 @@ FILES = {"summary.md", "env.txt", "ops.txt", "pytest.txt", "presets.jsonl", "log
 # clearly fallen below its first (5.82 -> 5.56). The first step's learning rate is 0 (warm-up), and the
 # second and third steps' losses are within the batches' noise of it.
 TRAIN_STEPS = 4
-# The GPU suite's tests that a CPU rehearses differently from the rest of this suite: ZeRO-3 (partitioned,
-# the stage the others' ZeRO-0-2 runs share their path with), DeepSpeed's cpu_adam, QLoRA at ZeRO-3 (its
-# ZeRO-2 twin fails or passes alike on a CPU). The suite's other CPU-runnable tests add ~60 s and no path.
-GPU_SUITE_REHEARSED = "-m gpu -k 'z3-bf16 or cpu_adam or qlora_trains_and_exports and z3'"
+# One test of the GPU suite, ZeRO-3 (partitioned, the stage the others' ZeRO-0-2 runs share their path with):
+# the pytest step's path (a pytest of its own, its verdicts written as they come) is the same for one test or
+# all. The GPU suite's other tests run on this CPU in this suite itself (tests/gpu, skipping what only CUDA
+# has); two more here cost ~25 s of a 2-core machine's time and no path.
+GPU_SUITE_REHEARSED = "-m gpu -k z3-bf16"
 
 
 def check(out, *args: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -70,10 +71,8 @@ def test_the_cpu_mode_runs_every_step_and_writes_its_seven_files(isolated_env, t
     # The GPU suite rehearsed in this process's way (in-process jobs): what a CPU can run of it passes.
     verdicts = [json.loads(line) for line in (out / "pytest.txt").read_text().splitlines()]
     ended = {v["test"].split("::")[-1]: v["outcome"] for v in verdicts if v["outcome"] != "started"}
-    assert ended["test_every_zero_stage_trains_with_its_memory_metrics[z3-bf16]"] == "passed", ended
-    assert ended["test_qlora_trains_and_exports[z3]"] == "passed", ended
-    assert ended["test_an_offloaded_optimizer_uses_deepspeeds_cpu_adam"] == "passed", ended
-    assert "failed" not in ended.values() and "## GPU tests (3 passed)" in summary
+    assert ended == {"test_every_zero_stage_trains_with_its_memory_metrics[z3-bf16]": "passed"}, ended
+    assert "## GPU tests (1 passed)" in summary
     presets = [json.loads(line) for line in (out / "presets.jsonl").read_text().splitlines()]
     assert [row["preset"] for row in presets] == ["z0"]
     assert all(row["status"] == "ok" and row["samples_per_sec"] > 0 for row in presets), presets

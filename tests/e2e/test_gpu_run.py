@@ -40,8 +40,8 @@ def test_the_rehearsal_writes_a_plain_loop_row_then_the_launchers_rows_with_thei
     assert rows[: len(plain)] == plain and [row["seq_len"] for row in plain] == [1024, 2048]
     assert all(row["status"] == "ok" and row["planned_mib"] is None and row["data_wait_frac"] is None for row in plain)
     launcher = rows[len(plain) :]
-    assert [(row["phase"], row["batching"], row["method"]) for row in launcher] == [
-        ("packing", "pack", "full"), ("lora7b", "pack", "lora"), ("video16", "pad", "full")
+    assert [(row["phase"], row["batching"], row["method"], row["kernels"]) for row in launcher] == [
+        ("packing", "pack", "full", "torch"), ("lora7b", "pack", "lora", "torch"), ("video16", "pad", "full", "torch")
     ]  # fmt: skip
     for row in rows:
         assert row["real_tokens_per_s"] > 0 and 0 < row["mfu"] < 1 and row["peak_mib"] > 0, row

@@ -184,6 +184,35 @@ def test_compiled_layers_give_the_eager_loss_and_gradients_on_cuda(tmp_path, arc
 
 
 @cuda_only
+@pytest.mark.parametrize("arch", ["tiny_llava", "tiny_qwen2_vl"])
+def test_liger_kernels_give_the_torch_loss_and_gradients_on_cuda(tmp_path, arch, monkeypatch):
+    """model.kernels=liger (its RMSNorm, SwiGLU, rotary and LayerNorm kernels and its fused linear
+    cross-entropy: launcher/model/kernels.py) against the same weights in torch, in bf16: equal to bf16's
+    precision. The CPU tests run the fused loss only (Triton's interpreter cannot run the layer kernels)."""
+    import sys
+
+    from launcher.data.cache import RecordEncoder
+    from launcher.data.length import pad_rows
+    from launcher.model.kernels import apply_liger_layers, use_fused_loss
+    from tests.unit.model.test_logps import RECORDS
+
+    pytest.importorskip("liger_kernel")
+    model, processor = _tiny_on_cuda(arch, tmp_path / arch)
+    family = sys.modules[type(model.model.language_model).__module__]
+    monkeypatch.setattr(family, "apply_rotary_pos_emb", family.apply_rotary_pos_emb)  # restored after the test
+    tensors = [RecordEncoder(processor, None, "pixels")(record)[0] for record in RECORDS]
+    batch = pad_rows(tensors, processor.tokenizer.pad_token_id)
+    plain = _loss_and_grads(model, batch, 1024)
+    model.zero_grad(set_to_none=True)
+    counts = apply_liger_layers(model, "cuda")
+    assert counts["rms_norm"] and counts["swiglu"] and counts["layer_norm"] and counts["rope"]
+    use_fused_loss(model)
+    liger = _loss_and_grads(model, batch, 1024)
+    assert liger[0] == pytest.approx(plain[0], rel=2e-2)
+    assert float(torch.nn.functional.cosine_similarity(liger[1], plain[1], dim=0)) > 0.99
+
+
+@cuda_only
 def test_the_chunked_loss_needs_a_fraction_of_the_whole_logits_memory_at_a_real_vocabulary(tmp_path):
     """A Qwen2-VL of 64 wide with a tokenizer of a few hundred words, its output layer widened to Qwen2-VL's
     151,936 words, on 4 rows of ~200 tokens: the chunked loss's peak over forward + backward is below the

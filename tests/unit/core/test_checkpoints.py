@@ -126,8 +126,10 @@ def test_incompatibilities_name_what_differs():
 
 
 def test_how_the_model_runs_may_change_on_resume_but_not_what_trains():
-    old = {"name": "tiny_llava", "gradient_checkpointing": False, "attn_implementation": "auto"}
-    new = {"name": "tiny_llava", "gradient_checkpointing": True, "attn_implementation": "eager"}
+    old = {"name": "tiny_llava", "gradient_checkpointing": False, "attn_implementation": "auto", "compile": False,
+           "kernels": "torch"}  # fmt: skip
+    new = {"name": "tiny_llava", "gradient_checkpointing": True, "attn_implementation": "eager", "compile": True,
+           "kernels": "liger"}  # fmt: skip
     marker = CheckpointMarker(step=1, tag="step1", precision="fp32", model=old)
     assert incompatibilities(marker, precision="fp32", model=new, method={"name": "full"}) == []
     # An older checkpoint records no method (it trained every weight): nothing to compare.

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from launcher.config.schema import run_dir_of
 from launcher.core.disk import free_bytes
@@ -62,6 +63,7 @@ class Case:
     planned: bool = False  # stopped after the plan was accepted (ds_config.json and job.json may exist)
     run_dir: str = "new"  # new: the job's own run dir holds a failed summary; old: {old} is left unchanged
     marks: tuple = ()
+    unset: tuple[str, ...] = ()  # environment variables the case runs without
 
 
 CASES = [
@@ -277,6 +279,20 @@ CASES = [
         "compile-at-zero-3",
         ("model.compile=true", "deepspeed=z3"),
         "model.compile=true with ZeRO-3: DeepSpeed gathers each layer's partitioned weights in hooks that",
+    ),
+    Case(
+        "liger-with-compile",
+        ("model.kernels=liger", "model.compile=true"),
+        "model.compile=true and model.kernels=liger both fuse each layer's MLP and norms; choose one: "
+        "model.compile=false (liger's kernels) or model.kernels=torch (compiled torch)",
+    ),
+    Case(
+        "liger-without-cuda",
+        ("model.kernels=liger",),
+        "model.kernels=liger runs Triton kernels, which need a CUDA device (this job runs on cpu): use "
+        "model.kernels=torch",
+        unset=("TRITON_INTERPRET",),  # tests/conftest.py runs Triton's interpreter on the CPU
+        marks=(pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA"),),
     ),
     Case(
         "tiny-base-for-a-real-model",
@@ -805,7 +821,9 @@ def _check_case(ran: Ran, case: Case, message: str, where: Path, tmp_path: Path,
 
 
 @pytest.mark.parametrize("case", _params(CASES))
-def test_bad_input_is_one_clear_error(request, tmp_path, case):
+def test_bad_input_is_one_clear_error(request, tmp_path, monkeypatch, case):
+    for name in case.unset:
+        monkeypatch.delenv(name, raising=False)
     values = _inputs(case, request, tmp_path)
     args = [arg.format(**values) for arg in case.args]
     message = case.message.format(**values)

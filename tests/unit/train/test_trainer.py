@@ -25,6 +25,7 @@ from launcher.core.rundir import RunDir
 from launcher.core.signals import recording_stop_signals
 from launcher.data.shapes import generate_shapes
 from launcher.job.spec import Job, read_job
+from launcher.model.kernels import triton_interpreted
 from launcher.train.faults import FAULT_ENV
 from tests.helpers import losses, plain, read_metrics, read_summary, run_here, train_here
 
@@ -155,16 +156,24 @@ def test_data_pack_max_images_caps_the_images_of_each_packed_row(train_in_proces
     assert first["perf/samples_per_sec"] * first["perf/step_time_s"] == pytest.approx(12)
 
 
-def test_model_compile_trains_the_same_losses(train_in_process, tmp_path):
-    """model.compile=true (each layer's MLP and norms compiled, tests/unit/model/test_components.py) through
-    the whole job at ZeRO 0: the uncompiled run's losses."""
+@pytest.mark.skipif(not (torch.cuda.is_available() or triton_interpreted()), reason="Triton has no device here")
+def test_model_compile_and_liger_kernels_train_the_same_losses(train_in_process, tmp_path):
+    """model.compile=true (each layer's MLP and norms compiled, tests/unit/model/test_components.py) and
+    model.kernels=liger (its fused loss, in Triton's interpreter here: tests/unit/model/test_kernels.py) through
+    the whole job: the plain run's losses, and the summary says what ran."""
     curves = {}
-    for compiled in ("false", "true"):
-        ran = train_in_process(*JOB, "train.max_steps=2", "train.save_every=0", f"model.compile={compiled}",
-                               run_dir=tmp_path / compiled)  # fmt: skip
+    for name, setting in (("plain", "model.compile=false"), ("compiled", "model.compile=true"),
+                          ("liger", "model.kernels=liger")):  # fmt: skip
+        ran = train_in_process(*JOB, "train.max_steps=2", "train.save_every=0", setting, run_dir=tmp_path / name)
         assert ran.outcome.status == "completed", ran.outcome.error
-        curves[compiled] = losses(ran.run_dir)
-    assert curves["true"] == pytest.approx(curves["false"], rel=1e-5)
+        curves[name] = losses(ran.run_dir)
+        summary = read_summary(ran.run_dir)
+        expected = "torch" if name != "liger" else "liger (layers: torch (liger's layer kernels run on CUDA only); "
+        assert summary["kernels"].startswith(expected)
+    assert summary["kernels"].endswith("loss: fused linear cross-entropy)")
+    assert summary["loss_logits"] == "liger's fused linear cross-entropy (chunks of its own)"
+    assert curves["compiled"] == pytest.approx(curves["plain"], rel=1e-5)
+    assert curves["liger"] == pytest.approx(curves["plain"], rel=1e-5)
 
 
 def test_the_first_update_moves_the_weights_and_each_step_logs_the_rate_it_applied(train_in_process, tmp_path):

@@ -208,5 +208,20 @@ def test_a_stop_signal_while_candidates_are_composed_ends_the_tuning_in_one_line
     err = capsys.readouterr().err
     assert code == 143 and "Traceback" not in err, err
     assert [line for line in err.splitlines() if line.startswith("error:")] == [
-        "error: tune: stopped by SIGINT; tune.md in the directory named above holds what was measured"
+        "error: tune: stopped by SIGINT before any candidate ran; nothing was measured"
     ]
+    assert not (tmp_path / "tune").exists()
+
+
+def test_a_stop_signal_once_the_tuning_began_names_its_tune_md(tmp_path, monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # delivered while the first candidate would run
+
+    monkeypatch.setattr(tuner, "run_candidate", interrupted)
+    code = tuner.main(["logger=none", f"tune.dir={tmp_path / 'tune'}", "tune.presets=[z0]", "tune.precisions=[fp32]"])
+    err = capsys.readouterr().err
+    assert code == 143 and "Traceback" not in err, err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        f"error: tune: stopped by SIGINT; {tmp_path / 'tune' / 'tune.md'} holds what was measured"
+    ]
+    assert "not run" in (tmp_path / "tune" / "tune.md").read_text()
