@@ -471,6 +471,7 @@ class TuneConfig:
     # (data.packing); null: the job's own. Candidates are compared by real (non-padding) tokens/s.
     batching: list[Batching] | None = None
     pack_lengths: list[int] | None = None  # tokens per packed row of `pack`; null: the job's data.pack_length
+    kernels: list[Kernels] | None = None  # model.kernels of the candidates (torch, liger); null: the job's own
     # Memory one rank may use, in GiB: a GPU's device memory (CUDA out-of-memory also ends a candidate);
     # on a CPU, a rank's peak resident set size, enforced by the tuner. null: the planner's usable memory.
     memory_gb: float | None = None

@@ -232,7 +232,7 @@ def noise_lines(results: Sequence[Result]) -> list[str]:
         names = ", ".join(r.name for r in tied)
         how = (
             f"picked {chosen.name}, the simplest configuration among them (no offload, a lower ZeRO stage, no "
-            "checkpointing come first)"
+            "checkpointing, torch's kernels come first)"
             if chosen is not best
             else f"kept {best.name}, no simpler configuration among them"
         )
@@ -285,12 +285,13 @@ def within_noise(results: Sequence[Result]) -> list[Result]:
     return [r for r in results if r is not best and r.status == "fits" and len(r.runs) > 1 and max(r.runs) >= typical]
 
 
-def simplicity(result: Result) -> tuple[bool, int, bool]:
-    """Simpler first: no offload, a lower ZeRO stage, no gradient checkpointing (what a configuration runs,
-    not its batch size)."""
+def simplicity(result: Result) -> tuple[bool, int, bool, bool]:
+    """Simpler first: no offload, a lower ZeRO stage, no gradient checkpointing, torch's kernels (what a
+    configuration runs, not its batch size)."""
     preset = result.candidate.preset
     stage = int(preset[1]) if preset[:1] == "z" and preset[1:2].isdigit() else 9
-    return ("offload" in preset or "nvme" in preset, stage, result.candidate.checkpointing)
+    liger = result.candidate.kernels == "liger"
+    return ("offload" in preset or "nvme" in preset, stage, result.candidate.checkpointing, liger)
 
 
 def pick(results: Sequence[Result]) -> Result | None:

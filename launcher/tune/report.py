@@ -189,9 +189,9 @@ def report(t: Tuning) -> str:
         "Confirmation: the tune.confirm_top fastest that fit (and as many more measured on a busy machine) run "
         "tune.confirm_runs times more, in turn, and each is the median of its runs; where a run of another reached "
         "the fastest one's median and it is a simpler configuration (no offload, lower ZeRO stage, no "
-        "checkpointing), it is the pick. Others' CPU: the share of the machine other processes used before a run "
-        "(sampled 0.5 s) or during it; a run that found more than 20% is never stopped as dominated and is named "
-        "under Noise. tune.png: throughput against peak memory; the Pareto front joined.",
+        "checkpointing, torch's kernels), it is the pick. Others' CPU: the share of the machine other processes "
+        "used before a run (sampled 0.5 s) or during it; a run that found more than 20% is never stopped as "
+        "dominated and is named under Noise. tune.png: throughput against peak memory; the Pareto front joined.",
         "",
     ]
     return "\n".join(lines)

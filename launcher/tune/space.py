@@ -45,6 +45,7 @@ class Candidate:
     attention: str | None = None  # None: the job's own model.attn_implementation
     batching: str | None = None  # pad | group | pack (BATCHINGS); None: the job's own data.* settings
     pack_length: int | None = None  # tokens per packed row (pack); None: the job's data.pack_length
+    kernels: str | None = None  # torch | liger (model.kernels); None: the job's own
 
     @property
     def name(self) -> str:
@@ -55,17 +56,22 @@ class Candidate:
             parts.append(self.attention)
         if self.batching:
             parts.append(f"{self.batching}{self.pack_length or ''}")
+        if self.kernels:
+            parts.append(self.kernels)
         return "-".join(parts)
 
     @property
-    def group(self) -> tuple[str, str, bool, str | None, str | None, int | None]:
+    def group(self) -> tuple[str, str, bool, str | None, str | None, int | None, str | None]:
         """Candidates that differ only in micro batch size (memory grows with it)."""
-        return (self.preset, self.precision, self.checkpointing, self.attention, self.batching, self.pack_length)
+        return (
+            self.preset, self.precision, self.checkpointing, self.attention, self.batching, self.pack_length,
+            self.kernels,
+        )  # fmt: skip
 
     @property
-    def twin_key(self) -> tuple[str, str, int, str | None, str | None, int | None]:
+    def twin_key(self) -> tuple[str, str, int, str | None, str | None, int | None, str | None]:
         """Everything but gradient checkpointing: a candidate and its twin with checkpointing share it."""
-        return (self.preset, self.precision, self.micro, self.attention, self.batching, self.pack_length)
+        return (self.preset, self.precision, self.micro, self.attention, self.batching, self.pack_length, self.kernels)
 
     def overrides(self, global_batch: int) -> list[str]:
         flag = "true" if self.checkpointing else "false"
@@ -88,11 +94,18 @@ class Candidate:
             ]
             if packing and self.pack_length:
                 line.append(f"data.pack_length={self.pack_length}")
+        if self.kernels:
+            line.append(f"model.kernels={self.kernels}")
         return line
 
 
 def base_overrides(
-    overrides: Sequence[str], *, tunes_attention: bool, tunes_batching: bool = False, tunes_pack_length: bool = False
+    overrides: Sequence[str],
+    *,
+    tunes_attention: bool,
+    tunes_batching: bool = False,
+    tunes_pack_length: bool = False,
+    tunes_kernels: bool = False,
 ) -> list[str]:
     """The job's overrides without those a candidate sets or only the tuner reads. The job's
     data.pack_length stays when the tuner tunes batching but not row lengths: its packed candidates use it."""
@@ -100,6 +113,7 @@ def base_overrides(
         *VARIANT_KEYS,
         *_CANDIDATE_KEYS,
         *(("model.attn_implementation",) if tunes_attention else ()),
+        *(("model.kernels",) if tunes_kernels else ()),
         *(_BATCHING_KEYS[:2] if tunes_batching else ()),
         *(_BATCHING_KEYS[2:] if tunes_pack_length else ()),
     )
@@ -122,12 +136,14 @@ def search_space(
     global_batch: int,
     world_size: int,
     batchings: Sequence[tuple[str | None, int | None]] = ((None, None),),
+    kernels: Sequence[str | None] = (None,),
 ) -> tuple[list[Candidate], list[str]]:
     """Every combination, in the order they run (presets as given, fastest-first by convention; in a
     group, micro batch sizes ascending, so a group's first candidate calibrates the predictions for
     the larger ones); and a line per micro batch size left out because it cannot keep the global batch.
     `batchings`: (pad | group | pack, tokens per packed row or None), or (None, None) for the job's own.
-    A packed candidate's micro batch counts rows, each holding several records: compare by real tokens/s."""
+    A packed candidate's micro batch counts rows, each holding several records: compare by real tokens/s.
+    `kernels`: model.kernels of each candidate (torch | liger), or None for the job's own."""
     per_rank = global_batch // world_size
     micros, left_out = [], []
     for micro in sorted(set(micro_batch_sizes)):
@@ -141,12 +157,15 @@ def search_space(
         else:
             left_out.append(f"micro batch {micro}: above the global batch per rank ({per_rank})")
     candidates = [
-        Candidate(preset, precision, micro, global_batch // (micro * world_size), gc, attention, batching, budget)
+        Candidate(
+            preset, precision, micro, global_batch // (micro * world_size), gc, attention, batching, budget, kernel
+        )
         for preset in presets
         for precision in precisions
         for gc in checkpointing
         for attention in attentions
         for batching, budget in batchings
+        for kernel in kernels
         for micro in micros
     ]
     return candidates, left_out

@@ -8,7 +8,8 @@ Takes train.py's overrides (the job to tune) and `tune.*` (the search, docs/tune
 ZeRO preset (stage and offload) x precision x micro batch size (gradient accumulation adjusted so
 the global batch stays the job's) x gradient checkpointing (x attention implementation, when
 `tune.attn_implementations` lists several; x batching, padded, grouped by length or packed per row
-length, when `tune.batching` lists them). Candidates are compared by real (non-padding) tokens/s.
+length, when `tune.batching` lists them; x kernels, torch's or liger's, when `tune.kernels` lists them).
+Candidates are compared by real (non-padding) tokens/s.
 Each candidate is planned first; one predicted above the memory budget by more than `tune.margin` is
 pruned. The rest run one at a time, each as `python train.py OVERRIDES CANDIDATE` in a child process
 (same data order, same seed) for
@@ -38,6 +39,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from hydra.errors import HydraException
@@ -55,6 +57,7 @@ from launcher.job.checks import check_data
 from launcher.job.planning import plan_job, training_length
 from launcher.job.spec import HydraJob, Job
 from launcher.launch.base import TRAIN_SCRIPT
+from launcher.model.kernels import check_kernels
 from launcher.model.stats import RecordShapes, heaviest_stage, model_dir, model_stats, pack_length, sequence
 from launcher.plan.memory import PRESETS, Target, estimate, layout_from_ds_config, planned_bytes, preference_terms
 from launcher.plan.report import target_device
@@ -216,6 +219,7 @@ def _tuning(
     micros = [int(m) for m in (tc.micro_batch_sizes or default_micro_batch_sizes(job.micro_batch))]
     attentions: list[str | None] = [str(a) for a in tc.attn_implementations] if tunes_attention else [None]
     checkpointing = [bool(b) for b in tc.gradient_checkpointing]
+    kernels = _kernels(cfg, job.device.kind)
     candidates, left_out = search_space(
         presets,
         precisions,
@@ -225,6 +229,7 @@ def _tuning(
         global_batch=global_batch,
         world_size=world_size,
         batchings=batchings,
+        kernels=kernels,
     )
     if not candidates:
         raise LauncherError(
@@ -244,6 +249,7 @@ def _tuning(
         tunes_attention=tunes_attention,
         tunes_batching=bool(tc.batching),
         tunes_pack_length=bool(tc.pack_lengths),
+        tunes_kernels=bool(tc.kernels),
     )
     t = Tuning(
         directory, base, global_batch, world_size, budget, source, left_out=left_out, device_kind=job.device.kind
@@ -263,10 +269,23 @@ def _tuning(
         f"{len({c.micro for c in candidates})} micro batch sizes x {len(checkpointing)} checkpointing"
         + (f" x {len(attentions)} attention" if tunes_attention else "")
         + (f" x {len(batchings)} batching" if tc.batching else "")
+        + (f" x {len(kernels)} kernels" if tc.kernels else "")
         + f"), global batch {global_batch} on {world_size} rank(s); budget {budget / MiB:.0f} MiB per rank ({source}); "
         f"writing {directory}"
     )
     return t
+
+
+def _kernels(cfg: Config, device_kind: str) -> list[str | None]:
+    """tune.kernels as the candidates' model.kernels ([None]: the job's own), refused in one line before anything
+    runs where one cannot run on this machine (liger: CUDA, the package, not beside model.compile)."""
+    kinds = [str(kind) for kind in dict.fromkeys(cfg.tune.kernels or [])]
+    for kind in kinds:
+        try:
+            check_kernels(SimpleNamespace(kernels=kind, compile=cfg.model.compile), device_kind, launching=True)
+        except LauncherError as error:
+            raise LauncherError(f"tune.kernels=[{','.join(kinds)}]: {error}") from None
+    return list(kinds) or [None]
 
 
 def _batchings(cfg: Config) -> list[tuple[str | None, int | None]]:

@@ -11,8 +11,11 @@ from launcher.tune.decide import MiB, Result
 from launcher.tune.space import Candidate
 
 
-def result(preset="z0", micro=8, gc=False, precision="fp32", status="fits", rate=None, peak=None, planned=None, **kw):
-    candidate = Candidate(preset, precision, micro, 32 // micro, gc)
+def result(
+    preset="z0", micro=8, gc=False, precision="fp32", status="fits", rate=None, peak=None, planned=None, kernels=None,
+    **kw,
+):  # fmt: skip
+    candidate = Candidate(preset, precision, micro, 32 // micro, gc, kernels=kernels)
     return Result(
         candidate,
         planned=None if planned is None else planned * MiB,
@@ -233,6 +236,14 @@ def test_where_the_runs_cannot_tell_the_fastest_from_another_the_simpler_is_pick
     assert "the pick stands: no run of z0-fp32-mb8 (the next) reached z2_offload-fp32-mb8's median (100)" in lines[-1]
     single = result(preset="z2_offload", rate=100, peak=500)  # measured once: nothing to tell apart
     assert decide.pick([single, result(preset="z0", rate=99, peak=900)]) is single
+
+
+def test_where_the_runs_cannot_tell_liger_from_torch_torchs_kernels_are_picked():
+    liger = result(rate=100, runs=[100.0, 96.0, 104.0], kernels="liger")
+    torch_kernels = result(rate=98, runs=[98.0, 101.0, 95.0], kernels="torch")
+    assert decide.pick([liger, torch_kernels]) is torch_kernels
+    torch_kernels.runs = [98.0, 99.0, 95.0]  # none reached liger's median: liger is clearly faster
+    assert decide.pick([liger, torch_kernels]) is liger
 
 
 def test_one_burst_slowed_run_of_the_fastest_does_not_tie_it_with_everyone_and_batch_size_is_no_simplicity():

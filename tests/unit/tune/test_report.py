@@ -88,6 +88,7 @@ def test_write_outputs_writes_every_file_and_best_yaml_for_the_pick(tuning):
         "attention": None,
         "batching": None,
         "pack_length": None,
+        "kernels": None,
     }
     totals = json.loads((directory / "tuning.json").read_text())
     assert totals["pick"] == "z0-fp32-mb4" and totals["budget_bytes"] == 1000 * MiB and totals["world_size"] == 2

@@ -101,3 +101,19 @@ def test_tuning_batching_drops_the_jobs_own_grouping_and_packing_and_row_length_
     assert base_overrides(given, tunes_attention=False) == given
     assert base_overrides(given, tunes_attention=False, tunes_batching=True) == given[2:]
     assert base_overrides(given, tunes_attention=False, tunes_batching=True, tunes_pack_length=True) == given[3:]
+
+
+def test_the_kernels_axis_sets_model_kernels_and_keeps_its_candidates_apart():
+    """tune.kernels: each candidate with torch's kernels and with liger's (model.kernels)."""
+    candidates, _ = search_space(
+        ["z0"], ["bf16"], [1, 2], [False], [None], global_batch=4, world_size=1, kernels=["torch", "liger"]
+    )
+    assert [c.name for c in candidates] == [
+        "z0-bf16-mb1-torch", "z0-bf16-mb2-torch", "z0-bf16-mb1-liger", "z0-bf16-mb2-liger"
+    ]  # fmt: skip
+    assert "model.kernels=liger" in candidates[2].overrides(4) and "model.kernels=torch" in candidates[0].overrides(4)
+    assert candidates[0].group != candidates[2].group and candidates[0].twin_key != candidates[2].twin_key
+    assert not any(o.startswith("model.kernels") for o in Candidate("z0", "bf16", 1, 4, False).overrides(4))
+    given = ["model.kernels=liger", "data.max_length=256"]
+    assert base_overrides(given, tunes_attention=False) == given  # the job's own, when not tuned
+    assert base_overrides(given, tunes_attention=False, tunes_kernels=True) == given[1:]

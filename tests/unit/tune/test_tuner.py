@@ -36,6 +36,12 @@ from tests.helpers import compose_typed, run_here, subprocess_env
         (["tune.pack_lengths=[1024]"], 2, "tune.pack_lengths=[1024] without pack in tune.batching"),
         (["tune.batching=[group,pack]"], 2, "tune.batching has pack but no row length: set tune.pack_lengths"),
         (["tune.batching=[squeeze]"], 1, "tune.batching"),
+        (["tune.kernels=[fused]"], 1, "tune.kernels"),
+        (
+            ["tune.kernels=[torch,liger]", "model.compile=true"],
+            2,
+            "tune.kernels=[torch,liger]: model.compile=true and model.kernels=liger both fuse each layer's MLP",
+        ),
     ],
 )
 def test_bad_tune_settings_are_one_line(args, code, message, tmp_path, capsys):
