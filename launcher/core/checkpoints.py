@@ -193,9 +193,8 @@ def incompatibilities(
     """What differs between the job that wrote a checkpoint and this one ("key: old -> new").
 
     How the model runs (attention kernel, activation checkpointing, compilation, liger's kernels, image
-    resolution) may change on a
-    resume: the weights are the same. So may the world size and ZeRO stage (launcher.job.reshard decides
-    how). A key the checkpoint does not record (an older launcher's) is not compared."""
+    resolution) may change on a resume: the weights are the same. So may the world size and ZeRO stage
+    (launcher.job.reshard decides how). A key the checkpoint does not record (an older launcher's) is not compared."""
     differences = []
     if marker.precision != precision:
         differences.append(f"precision {marker.precision} -> {precision}")

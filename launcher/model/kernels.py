@@ -27,7 +27,6 @@ bypasses: there the loss stays the torch path and the summary says so.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import sys
 from typing import Any
@@ -37,8 +36,6 @@ from torch import nn
 
 from launcher.core.errors import LauncherError
 from launcher.model.components import base_model, model_components
-
-log = logging.getLogger("launcher")
 
 INSTALL = "pip install 'liger-kernel==0.8.5' (or the project's extra: pip install -e '.[liger]')"
 # Set on the model (before peft and DeepSpeed wrap it) when the answers' log-probs go through liger's loss.

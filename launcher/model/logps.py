@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from launcher.core.scopes import scope
 from launcher.data.length import IGNORE_INDEX
-from launcher.model.kernels import fused_loss_installed
+from launcher.model.kernels import fused_answer_logps, fused_loss_installed
 
 ANSWER_LABELS = "answer_labels"  # the keyword that switches a model's forward to row log-probs
 ANSWER_CHUNK = "answer_chunk"  # tokens per chunk through the output layer
@@ -84,8 +84,6 @@ def _chunked(
     rows = labelled.nonzero()[:, 0]  # the row of each labelled position, in order
     picked, wanted = hidden[:, :-1][labelled], targets[labelled]
     if fused:
-        from launcher.model.kernels import fused_answer_logps
-
         return fused_answer_logps(head, picked, wanted, rows, labels.shape[0], total=total)
     keep_graph_small = torch.is_grad_enabled()
     pieces = []

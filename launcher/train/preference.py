@@ -280,6 +280,8 @@ def reference_key(job: Job, datasets: dict[str, str | None], dtype: torch.dtype)
         "chunk_tokens": int(job.config.loss.chunk_tokens),
         "data": datasets,
     }
+    if str(job.config.model.kernels) == "liger":  # liger's fused loss: equal to ~1e-6 too (keys of before kept)
+        parts["kernels"] = "liger"
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
 
