@@ -20,8 +20,9 @@ for every model of that family the process builds afterwards (a rank builds one)
 Where each runs: the layer kernels on CUDA only. The fused loss on CUDA, and under Triton's interpreter
 (TRITON_INTERPRET=1) on a CPU, which is how the tests check it here against the torch path; liger's layer
 kernels do not run in the interpreter (it leaves their float arguments Python floats). The fused loss reads
-the output layer's weight outside the layer's forward, which ZeRO-3 partitions and LoRA on the output layer
-bypasses: there the loss stays the torch path and the summary says so.
+the output layer's weight outside the layer's forward: at ZeRO-3 that weight is registered as an external
+parameter of the model, so DeepSpeed gathers it for the model's forward and backward passes; LoRA on the
+output layer would be bypassed, so there the loss stays the torch path and the summary says so.
 """
 
 from __future__ import annotations
@@ -115,11 +116,9 @@ def _is_silu_gated_mlp(module: nn.Module, config: Any) -> bool:
     return projections and str(getattr(config, "hidden_act", "")) in ("silu", "swish")
 
 
-def fused_loss_problem(model: nn.Module, zero_stage: int) -> str | None:
+def fused_loss_problem(model: nn.Module) -> str | None:
     """Why the answers' loss cannot go through liger's fused linear cross-entropy for this model as it trains
     (after peft); None when it can."""
-    if zero_stage == 3:
-        return "ZeRO-3 partitions the output layer's weight, which the fused loss reads outside the layer"
     head = base_model(model).get_output_embeddings()
     if type(head) is not nn.Linear or head.bias is not None:
         return f"the output layer is a {type(head).__name__}, not a plain linear layer (adapters on it, or a bias)"
@@ -169,7 +168,12 @@ def kernels_used(model: nn.Module, model_cfg: Any, layers: dict[str, int], *, ze
         return "torch"
     patched = ", ".join(f"{part} x{count}" for part, count in layers.items() if count)
     layer_words = f"layers: {patched}" if patched else "layers: torch (liger's layer kernels run on CUDA only)"
-    if problem := fused_loss_problem(model, zero_stage):
+    if problem := fused_loss_problem(model):
         return f"liger ({layer_words}; loss: torch, chunked: {problem})"
+    if zero_stage == 3:  # the fused loss reads the partitioned weight in the model's forward, not the layer's
+        import deepspeed
+
+        base = base_model(model)
+        deepspeed.zero.register_external_parameter(base, base.get_output_embeddings().weight)
     use_fused_loss(model)
     return f"liger ({layer_words}; loss: fused linear cross-entropy)"

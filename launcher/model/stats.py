@@ -63,7 +63,7 @@ class ModelStats:
     checkpointed: tuple[str, ...] = ()  # components whose layers are checkpointed: language, vision
     method: str = "full"  # what trains: full, lora, qlora (adapters: `trainable` counts them)
     loss_chunk: int = 0  # loss.chunk_tokens: answer tokens per pass through the output layer (0: whole logits)
-    kernels: str = "torch"  # model.kernels: torch, or liger (its fused loss below ZeRO-3: launcher.model.kernels)
+    kernels: str = "torch"  # model.kernels: torch, or liger (its fused loss: launcher.model.kernels)
 
     def persistent(self, threshold: int) -> int:
         """Parameters stage 3 keeps whole on every rank: those of at most `threshold` elements."""

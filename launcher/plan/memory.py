@@ -222,7 +222,7 @@ def activation_bytes(stats: ModelStats, layout: Layout, *, seq_len: int, images:
     rows: 2 for a preference loss (each sample is a chosen and a rejected row), else 1.
     With the chunked loss (loss.chunk_tokens = c > 0, launcher.model.logps) no logits are kept: one chunk's
     (c V (2 e + 8) bytes, c at most the micro batch's tokens) exists at a time, for the whole micro batch;
-    with liger's fused loss (model.kernels=liger, ZeRO 0-2) `fused_loss_bytes`.
+    with liger's fused loss (model.kernels=liger) `fused_loss_bytes`.
     With gradient checkpointing (non-reentrant) a checkpointed stack keeps only each layer's input
     hidden state, and one layer's activations are recomputed at a time during backward: L A becomes
     L h + A for the language model (model.gradient_checkpointing), L_v A_v becomes L_v h_v + A_v for
@@ -250,7 +250,7 @@ def activation_bytes(stats: ModelStats, layout: Layout, *, seq_len: int, images:
         elements += images * stats.image_tokens * stats.projector_width
     logit_bytes = stats.vocab_size * (2 * e + 8)
     batch = rows * layout.micro_batch
-    if stats.loss_chunk and stats.kernels == "liger" and layout.stage < 3:
+    if stats.loss_chunk and stats.kernels == "liger":
         return batch * e * elements + fused_loss_bytes(stats, batch * seq_len, e)
     if stats.loss_chunk:
         return batch * e * elements + min(stats.loss_chunk, batch * seq_len) * logit_bytes
@@ -258,11 +258,12 @@ def activation_bytes(stats: ModelStats, layout: Layout, *, seq_len: int, images:
 
 
 def fused_loss_bytes(stats: ModelStats, tokens: int, e: int) -> int:
-    """liger's fused linear cross-entropy at its peak over `tokens` positions (model.kernels=liger, ZeRO 0-2),
-    as liger-kernel 0.8.5 allocates: one chunk's logits (its chunk: the tokens over ceil(V / h), rounded up to
-    a power of two, so that a chunk's logits are about as large as the hidden states), the input's gradient
-    (tokens x h, kept for the backward pass), and the output layer's gradient summed in fp32 and cast to the
-    weight's dtype (V x h x (4 + e); the cast copy is kept for the backward pass)."""
+    """liger's fused linear cross-entropy at its peak over `tokens` positions (model.kernels=liger), as
+    liger-kernel 0.8.5 allocates (at ZeRO-3 too: the whole output layer is gathered for it): one chunk's logits
+    (its chunk: the tokens over ceil(V / h), rounded up to a power of two, so that a chunk's logits are about
+    as large as the hidden states), the input's gradient (tokens x h, kept for the backward pass), and the
+    output layer's gradient summed in fp32 and cast to the weight's dtype (V x h x (4 + e); the cast copy is
+    kept for the backward pass)."""
     vocab, hidden = stats.vocab_size, stats.text.hidden
     spread = -(-vocab // hidden)
     chunk = min(tokens, 1 << max(0, (-(-tokens // spread) - 1).bit_length()))

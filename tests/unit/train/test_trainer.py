@@ -176,6 +176,24 @@ def test_model_compile_and_liger_kernels_train_the_same_losses(train_in_process,
     assert curves["liger"] == pytest.approx(curves["plain"], rel=1e-5)
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() or triton_interpreted()), reason="Triton has no device here")
+def test_liger_fused_loss_at_zero_3_trains_dpos_losses_with_the_output_layer_partitioned(train_in_process, tmp_path):
+    """ZeRO-3 with no parameter kept whole (persistence threshold 0): the fused loss reads the output layer's
+    weight, gathered for the model's forward and backward passes as its external parameter; DPO's per-row path
+    makes the logits again in the backward pass. A live reference beside it (torch's loss). The torch run's
+    losses."""
+    dpo = (*JOB, "deepspeed=z3", "comm.stage3_param_persistence_threshold=0", "loss=dpo", "loss.reference=live",
+           "train.max_steps=3", "train.save_every=0")  # fmt: skip
+    curves = {}
+    for kernels in ("torch", "liger"):
+        ran = train_in_process(*dpo, f"model.kernels={kernels}", run_dir=tmp_path / kernels)
+        assert ran.outcome.status == "completed", ran.outcome.error
+        curves[kernels] = losses(ran.run_dir)
+    assert read_summary(tmp_path / "liger")["kernels"].endswith("loss: fused linear cross-entropy)")
+    assert curves["torch"][0] == pytest.approx(0.6931, abs=1e-4)  # log 2: the reference is the policy
+    assert curves["liger"] == pytest.approx(curves["torch"], rel=1e-5)
+
+
 def test_the_first_update_moves_the_weights_and_each_step_logs_the_rate_it_applied(train_in_process, tmp_path):
     """Step k of the warm-up applies lr x k / warm-up steps (DeepSpeed's WarmupCosineLR as built gave the
     first two updates rate 0: a 1-step run saved its starting weights), then the cosine falls to
