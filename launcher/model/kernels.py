@@ -161,19 +161,28 @@ def fused_answer_logps(
     )
 
 
-def kernels_used(model: nn.Module, model_cfg: Any, layers: dict[str, int], *, zero_stage: int) -> str:
-    """What model.kernels gave this model as it trains (after peft), in words for the summary and the log;
-    with liger, the fused loss is switched on here where it can run."""
-    if str(model_cfg.kernels) != "liger":
-        return "torch"
-    patched = ", ".join(f"{part} x{count}" for part, count in layers.items() if count)
-    layer_words = f"layers: {patched}" if patched else "layers: torch (liger's layer kernels run on CUDA only)"
+def enable_fused_loss(model: nn.Module, *, zero_stage: int) -> str | None:
+    """Switch the answers' loss of `model` (as it trains, after peft) to liger's fused linear cross-entropy where
+    it can read the output layer; why not, else None. At ZeRO-3 the layer's weight becomes the model's external
+    parameter, so DeepSpeed gathers it for the model's own forward and backward passes, where the loss reads it."""
     if problem := fused_loss_problem(model):
-        return f"liger ({layer_words}; loss: torch, chunked: {problem})"
-    if zero_stage == 3:  # the fused loss reads the partitioned weight in the model's forward, not the layer's
+        return problem
+    if zero_stage == 3:
         import deepspeed
 
         base = base_model(model)
         deepspeed.zero.register_external_parameter(base, base.get_output_embeddings().weight)
     use_fused_loss(model)
+    return None
+
+
+def kernels_used(model_cfg: Any, layers: dict[str, int], loss_problem: str | None) -> str:
+    """What model.kernels gave the model as it trains, in words for the summary and the log: the layers
+    patched (`apply_liger_layers`) and where the loss went (`enable_fused_loss`'s answer)."""
+    if str(model_cfg.kernels) != "liger":
+        return "torch"
+    patched = ", ".join(f"{part} x{count}" for part, count in layers.items() if count)
+    layer_words = f"layers: {patched}" if patched else "layers: torch (liger's layer kernels run on CUDA only)"
+    if loss_problem:
+        return f"liger ({layer_words}; loss: torch, chunked: {loss_problem})"
     return f"liger ({layer_words}; loss: fused linear cross-entropy)"

@@ -22,7 +22,7 @@ from launcher.core.summary import Summary
 from launcher.job.spec import Job
 from launcher.model.components import apply_freeze, compile_layers, enable_gradient_checkpointing
 from launcher.model.groups import OptimizerGroup, optimizer_groups, stage_specs
-from launcher.model.kernels import apply_liger_layers, kernels_used
+from launcher.model.kernels import apply_liger_layers, enable_fused_loss, kernels_used
 from launcher.model.loading import load_model_and_processor, random_build, read_config, resolve_attn_implementation
 from launcher.model.method import (
     apply_method,
@@ -229,7 +229,8 @@ def load_model(
     # True when ZeRO-3 partitioned the weights while loading (zero.Init tags each parameter).
     summary.partitioned_at_load = any(hasattr(p, "ds_id") for p in model.parameters())
     model.config.use_cache = False
-    liger_layers = apply_liger_layers(model, rank.device.type) if str(model_cfg.kernels) == "liger" else {}
+    liger = str(model_cfg.kernels) == "liger"
+    liger_layers = apply_liger_layers(model, rank.device.type) if liger else {}
     apply_freeze(model, **freeze)
     enable_gradient_checkpointing(
         model, language=model_cfg.gradient_checkpointing, vision=model_cfg.vision_gradient_checkpointing
@@ -243,8 +244,9 @@ def load_model(
         compiled = compile_layers(model)
         if rank.is_main:
             log.info("model.compile: %d layer parts compiled (each layer's MLP and norms)", len(compiled))
-    summary.kernels = kernels_used(model, model_cfg, liger_layers, zero_stage=ds_config["zero_optimization"]["stage"])
-    if rank.is_main and str(model_cfg.kernels) == "liger":
+    loss_problem = enable_fused_loss(model, zero_stage=ds_config["zero_optimization"]["stage"]) if liger else None
+    summary.kernels = kernels_used(model_cfg, liger_layers, loss_problem)
+    if rank.is_main and liger:
         log.info("model.kernels=liger: %s", summary.kernels)
     counts = parameter_counts(model)
     summary.params_total, summary.params_trainable = counts["total"], counts["trainable"]

@@ -21,6 +21,7 @@ from launcher.model import kernels
 from launcher.model.kernels import (
     apply_liger_layers,
     check_kernels,
+    enable_fused_loss,
     fused_loss_installed,
     fused_loss_problem,
     kernels_used,
@@ -114,12 +115,12 @@ def test_the_fused_loss_stays_off_where_it_cannot_read_the_output_layer(model_di
     adapted = get_peft_model(model, LoraConfig(r=2, target_modules=["lm_head"]))
     assert "not a plain linear layer" in fused_loss_problem(adapted)
     liger = OmegaConf.create({"kernels": "liger"})
-    assert kernels_used(adapted, liger, {}, zero_stage=0) == (
+    assert kernels_used(liger, {}, enable_fused_loss(adapted, zero_stage=0)) == (
         "liger (layers: torch (liger's layer kernels run on CUDA only); loss: torch, chunked: the output layer is "
         "a Linear, not a plain linear layer (adapters on it, or a bias))"
     )
     assert not fused_loss_installed(adapted.get_base_model())
-    assert kernels_used(model, OmegaConf.create({"kernels": "torch"}), {}, zero_stage=0) == "torch"
+    assert kernels_used(OmegaConf.create({"kernels": "torch"}), {}, None) == "torch"
 
 
 def test_at_zero_3_the_output_layer_is_gathered_for_the_models_own_passes(model_dirs):
@@ -127,9 +128,9 @@ def test_at_zero_3_the_output_layer_is_gathered_for_the_models_own_passes(model_
     layer's: ZeRO-3 gathers it there once it is the model's external parameter (the whole job: test_trainer)."""
     model, _, _ = loaded(model_dirs, "tiny_qwen2_vl")
     liger = OmegaConf.create({"kernels": "liger"})
-    assert kernels_used(model, liger, {}, zero_stage=2).endswith("loss: fused linear cross-entropy)")
+    assert kernels_used(liger, {}, enable_fused_loss(model, zero_stage=2)).endswith("loss: fused linear cross-entropy)")
     assert not getattr(model, "_external_params", None)
-    assert kernels_used(model, liger, {}, zero_stage=3).endswith("loss: fused linear cross-entropy)")
+    assert kernels_used(liger, {}, enable_fused_loss(model, zero_stage=3)).endswith("loss: fused linear cross-entropy)")
     assert list(model._external_params.values()) == [model.get_output_embeddings().weight]
 
 
