@@ -198,30 +198,63 @@ def preflight_plan(cfg: Config, spec: Job, *, from_records: bool = True) -> tupl
     cache where it is built (`from_records=False`: as if it were not)."""
     stats = model_stats(cfg, path=spec.model_path)  # the job's model, already resolved (None: resolved here)
     target = target_device(cfg.plan)
-    shapes = record_shapes(cfg, spec.model_path or model_dir(cfg)) if from_records else None
-    seq_len, images = sequence(cfg, stats, shapes)
-    layout = layout_from_ds_config(spec.ds_config, world_size=spec.world_size, ranks_per_node=spec.ranks_per_node)
-    est = estimate(stats, layout, seq_len=seq_len, images=images, **preference_terms(cfg.loss))
+    model_path = spec.model_path or model_dir(cfg)
+    shapes = record_shapes(cfg, model_path) if from_records else None
+    est, seq_len = _job_estimate(cfg, spec, stats, shapes)
     planned = planned_bytes(est, target.kind)
     ok, why = fits(est, target)
     if ok:
         return None, planned
-    rows = plan_rows(cfg, spec.hydra.overrides, stats, target, precisions=(layout.dtype,), shapes=shapes)
+    rows = plan_rows(cfg, spec.hydra.overrides, stats, target, precisions=(est.layout.dtype,), shapes=shapes)
     best = recommend(rows, target.kind)
     if best is not None:
         advice = f"expected to fit: {_choice(cfg, best)}"
     else:
         advice = "no preset is expected to fit: lower train.micro_batch_size or data.max_length, or add ranks"
     line = (
-        f"memory plan: {layout.describe()} {why} (model states {est.states.on_device / GiB:.1f}"
+        f"memory plan: {est.layout.describe()} {why} (model states {est.states.on_device / GiB:.1f}"
         + (f", reference copy {est.reference / GiB:.1f}" if est.reference else "")
         + f", activations "
-        f"{est.activations / GiB:.1f} at micro batch {layout.micro_batch} x {seq_len} tokens, buffers "
+        f"{est.activations / GiB:.1f} at micro batch {est.layout.micro_batch} x {seq_len} tokens, buffers "
         f"{(est.step + est.buffers) / GiB:.1f}); usable: {target.usable_device / GiB:.1f} GiB of "
         f"{target.device_bytes / GiB:.1f} ({target.source}, plan.headroom={target.headroom:g}); {advice}; "
         "python -m launcher.plan with the same overrides prints every preset"
+        + _before_the_cache(cfg, model_path, shapes, seq_len)
     )
     return line, planned
+
+
+def _before_the_cache(cfg: Config, model_path: str, shapes: RecordShapes | None, seq_len: int) -> str:
+    """What the preflight's line adds when it planned every sample at an assumed length only because the
+    job's data cache is not built yet: once it is, the plan reads the records' own (a processor that is a hub
+    id is not fetched for a plan, so its records are never read here: nothing to add then)."""
+    data, local = cfg.data, str(cfg.model.source) == "tiny" or Path(model_path).expanduser().is_dir()
+    if shapes is not None or cfg.plan.seq_len or cfg.plan.text_tokens or not data.cache or data.streaming or not local:
+        return ""
+    assumed = "data.max_length" if planned_at_max_length(cfg) else "plan.text_tokens' default and its images' tokens"
+    return (
+        f"; the data cache is not built yet, so each sample was planned at {seq_len} tokens ({assumed}): "
+        "python -m launcher.prepare with the same overrides builds it, and the plan then reads the records' lengths"
+    )
+
+
+def planned_from_cache(cfg: Config, spec: Job, shapes: RecordShapes) -> int | None:
+    """The planner's bytes per rank for the job from the records of the data cache it trains from, once
+    that is built: a first run's preflight planned before its cache existed (at data.max_length, or
+    plan.text_tokens), and a model whose processor is a hub id is never planned from its records before
+    its ranks load it. None when the records do not decide the plan (plan.seq_len or plan.text_tokens set)."""
+    if not planned_from_records(cfg, shapes):
+        return None
+    stats = model_stats(cfg, path=spec.model_path)
+    est, _ = _job_estimate(cfg, spec, stats, shapes)
+    return planned_bytes(est, target_device(cfg.plan).kind)
+
+
+def _job_estimate(cfg: Config, spec: Job, stats: ModelStats, shapes: RecordShapes | None):
+    """The estimate of the job's own DeepSpeed dict, and the tokens per sample it planned."""
+    seq_len, images = sequence(cfg, stats, shapes)
+    layout = layout_from_ds_config(spec.ds_config, world_size=spec.world_size, ranks_per_node=spec.ranks_per_node)
+    return estimate(stats, layout, seq_len=seq_len, images=images, **preference_terms(cfg.loss)), seq_len
 
 
 # ================================================================================ the report

@@ -44,6 +44,8 @@ from launcher.model.components import base_model, model_components
 from launcher.model.flops import FlopModel
 from launcher.model.kernels import fused_loss_installed
 from launcher.model.packing import use_packed_attention
+from launcher.plan.data import cache_shapes
+from launcher.plan.report import planned_from_cache
 from launcher.tracking.wandb_run import read_run_id, start_for_job
 from launcher.train import checkpoint
 from launcher.train.distributed import Rank, barrier, destroy, init_distributed
@@ -143,6 +145,8 @@ def setup(
     engine_built(job, engine, stage, summary)
     data = build_data(job, rank, loaded, engine.processor, engine.zero_stage, run_dir, summary, stop=stop.wanted)
     cleanup.callback(data.shut_down_workers)
+    if rank.is_main:
+        plan_from_records(job, engine.processor, summary)
     marker = checkpoint_marker(job, engine, rank, summary, stage)
     start_step, rng = resume(job, run_dir, rank, engine, data, summary)
     # A preference loss's reference: computed now, before the first step, when precomputed and missing.
@@ -215,6 +219,29 @@ def build_loss(
     if rank.is_main:
         log.info("loss %s (beta %g), reference: %s", job.config.loss.name, job.config.loss.beta, reference.name)
     return PreferenceLoss(job.config.loss, reference, chunk=chunk)
+
+
+def plan_from_records(job: Job, processor: Any, summary: Summary) -> None:
+    """summary.json's planned figure from the records this run trains on, once its data cache is built: the
+    launcher's preflight plans before the ranks build it (a first run's plan is at data.max_length) and does
+    not load a processor from the hub (a hub id's job is never planned from its records there). The figure
+    stands beside the measured peak; a changed one is said in a line."""
+    before = summary.planned_memory_bytes
+    if before is None or summary.data_cache is None:  # preflight=off, or no data cache (streaming, cache=false)
+        return
+    try:
+        shapes = cache_shapes(Path(summary.data_cache["path"]), processor)
+        planned = planned_from_cache(job.config, job, shapes)
+    except LauncherError as err:  # the preflight planned this job: a second look that fails changes nothing
+        log.debug("memory plan from the records skipped: %s", one_line(err))
+        return
+    if planned is None or planned == before:
+        return
+    summary.planned_memory_bytes = planned
+    log.info(
+        "memory plan from the %s records of the data cache: %s MiB per rank (the preflight planned %s MiB)",
+        f"{len(shapes.lengths):,}", f"{planned / 2**20:,.0f}", f"{before / 2**20:,.0f}",
+    )  # fmt: skip
 
 
 def engine_built(job: Job, engine: Engine, stage: Stage | None, summary: Summary) -> None:

@@ -313,7 +313,7 @@ def test_cli_reports_errors_in_one_line(capsys):
 
 # ----------------------------------------------------------------------------- the preflight
 @pytest.mark.slow  # a preflight that does not fit plans every preset at its precision
-def test_preflight_warns_with_a_preset_that_fits(published):
+def test_preflight_warns_with_a_preset_that_fits(published, tmp_path):
     overrides = [
         "model=llava_1_5_7b",
         f"model.path={published['llava_1_5_7b']}",
@@ -321,11 +321,22 @@ def test_preflight_warns_with_a_preset_that_fits(published):
         "plan.gpu_memory_gb=80",
         "train.micro_batch_size=1",
         "precision=bf16",
+        f"cache_dir={tmp_path}",  # no data cache built yet: a first run's preflight
     ]
     warning = plan.preflight(*_planned([*overrides, "deepspeed=z0"], CUDA))
     assert warning is not None and "\n" not in warning
     assert warning.startswith("memory plan: deepspeed=z0 bf16 on 8 ranks needs about")
     assert "expected to fit: deepspeed=z1 precision=bf16" in warning
+    # Planned at an assumed length only because the cache is not built: the line says how to plan the records.
+    assert warning.endswith(
+        "; the data cache is not built yet, so each sample was planned at 1088 tokens (plan.text_tokens' default "
+        "and its images' tokens): python -m launcher.prepare with the same overrides builds it, and the plan then "
+        "reads the records' lengths"
+    ), warning
+    capped = plan.preflight(*_planned([*overrides, "deepspeed=z0", "data.max_length=2048"], CUDA))
+    assert "so each sample was planned at 2048 tokens (data.max_length): python -m launcher.prepare" in capped
+    uncached = plan.preflight(*_planned([*overrides, "deepspeed=z0", "data.max_length=2048", "data.cache=false"], CUDA))
+    assert uncached is not None and "launcher.prepare" not in uncached  # nothing to prepare
     assert plan.preflight(*_planned([*overrides, "deepspeed=z3"], CUDA)) is None
 
 
@@ -353,16 +364,47 @@ def test_preflight_of_the_built_in_job_is_silent():
     assert plan.preflight(*_planned([], Device("cpu", bf16=True, fp16=False))) is None
 
 
-def test_a_run_records_the_planners_figure_for_its_job_beside_the_measured_peak(quick_run):
+def test_a_run_records_the_planners_figure_for_the_records_it_trained_on_beside_the_measured_peak(quick_run):
     from launcher.job.spec import read_job
 
     job = read_job(quick_run.run_dir)
     summary = quick_run.summary()
-    # Planned before the run: from the records where an earlier run had built the data cache, else as if none.
-    line, planned = plan.preflight_plan(job.config, job, from_records=not summary["data_cache"]["built"])
-    assert line is None and planned > 2**20
-    assert summary["planned_memory_bytes"] == job.planned_memory_bytes == planned
-    assert summary["peak_memory_bytes"] > 0
+    # The preflight planned before the ranks built the data cache: a first run's plan is at data.max_length.
+    line, preflight = plan.preflight_plan(job.config, job, from_records=not summary["data_cache"]["built"])
+    assert line is None and job.planned_memory_bytes == preflight > 2**20
+    # The summary's figure is the plan of the records trained on, as a second run's preflight plans it.
+    _, from_records = plan.preflight_plan(job.config, job)
+    assert summary["planned_memory_bytes"] == from_records > 2**20 and summary["peak_memory_bytes"] > 0
+
+
+def test_rank_0_plans_a_first_run_again_from_the_records_its_ranks_cached(quick_run, caplog):
+    """What the trainer does once the data cache is built (launcher.train.trainer.plan_from_records): the
+    figure planned at data.max_length gives way to the records' own, and the change is said in one line."""
+    from launcher.job.spec import read_job
+    from launcher.model.loading import load_processor
+    from launcher.train.trainer import plan_from_records
+
+    job = read_job(quick_run.run_dir)
+    _, at_max_length = plan.preflight_plan(job.config, job, from_records=False)
+    _, from_records = plan.preflight_plan(job.config, job)
+    assert from_records < at_max_length  # the built-in records are ~50 tokens; data.max_length is far above
+    processor = load_processor(str(job.model_path))
+    summary = job.summary()
+    summary.planned_memory_bytes, summary.data_cache = at_max_length, quick_run.summary()["data_cache"]
+    with caplog.at_level("INFO", logger="launcher"):
+        plan_from_records(job, processor, summary)
+        assert summary.planned_memory_bytes == from_records
+        plan_from_records(job, processor, summary)  # planned from the records already: nothing to say
+    records = int(job.config.data.n_train)  # the built-in set: every record cached
+    said = [record.getMessage() for record in caplog.records if "memory plan" in record.getMessage()]
+    assert said == [
+        f"memory plan from the {records:,} records of the data cache: {from_records / 2**20:,.0f} MiB per rank "
+        f"(the preflight planned {at_max_length / 2**20:,.0f} MiB)"
+    ]
+    summary.data_cache = None  # no data cache (streaming, data.cache=false): the preflight's figure stays
+    summary.planned_memory_bytes = at_max_length
+    plan_from_records(job, processor, summary)
+    assert summary.planned_memory_bytes == at_max_length
 
 
 @pytest.mark.slow  # two preflights that do not fit
