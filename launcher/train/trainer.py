@@ -225,7 +225,7 @@ def plan_from_records(job: Job, processor: Any, summary: Summary) -> None:
     """summary.json's planned figure from the records this run trains on, once its data cache is built: the
     launcher's preflight plans before the ranks build it (a first run's plan is at data.max_length) and does
     not load a processor from the hub (a hub id's job is never planned from its records there). The figure
-    stands beside the measured peak; a changed one is said in a line."""
+    stands beside the measured peak; on a GPU a changed one is said in a line."""
     before = summary.planned_memory_bytes
     if before is None or summary.data_cache is None:  # preflight=off, or no data cache (streaming, cache=false)
         return
@@ -238,7 +238,9 @@ def plan_from_records(job: Job, processor: Any, summary: Summary) -> None:
     if planned is None or planned == before:
         return
     summary.planned_memory_bytes = planned
-    log.info(
+    # Said where the end line sets it beside the measured peak: on a GPU (a CPU's peak is the process's RSS).
+    log.log(
+        logging.INFO if job.device.kind == "cuda" else logging.DEBUG,
         "memory plan from the %s records of the data cache: %s MiB per rank (the preflight planned %s MiB)",
         f"{len(shapes.lengths):,}", f"{planned / 2**20:,.0f}", f"{before / 2**20:,.0f}",
     )  # fmt: skip
