@@ -311,6 +311,8 @@ def tune_row(result: dict[str, Any], phase: Phase, context: dict[str, Any], warm
     """One tuner candidate (results.json) as a row: exactly its figures, plus its run's data-wait share."""
     candidate = result["candidate"]
     peak, planned = result.get("peak"), result.get("planned")
+    # What its run's summary says ran (the layers liger patched, where the loss went), else what the phase asked.
+    ran = run_summary(result.get("run_dir")).get("kernels")
     return {
         "runner": "launcher",
         "phase": phase.name,
@@ -324,7 +326,8 @@ def tune_row(result: dict[str, Any], phase: Phase, context: dict[str, Any], warm
         "preset": candidate["preset"],
         "checkpointing": bool(candidate["checkpointing"]),
         "method": phase.method,
-        "kernels": "liger" if LIGER in phase.overrides else "torch",
+        "kernels": ran.split(" ", 1)[0] if ran else ("liger" if LIGER in phase.overrides else "torch"),
+        "kernels_ran": ran,
         "compile": "model.compile=true" in phase.overrides,
         "real_tokens_per_s": result.get("tokens_per_s"),
         "mfu": result.get("mfu"),
@@ -337,6 +340,16 @@ def tune_row(result: dict[str, Any], phase: Phase, context: dict[str, Any], warm
         "candidate": result["name"],
         **context["stamp"],
     }
+
+
+def run_summary(run_dir: str | None) -> dict[str, Any]:
+    """A candidate run's summary.json ({} when it wrote none)."""
+    path = Path(run_dir) / "summary.json" if run_dir else None
+    if path is None or not path.is_file():
+        return {}
+    with contextlib.suppress(ValueError):
+        return json.loads(path.read_text())
+    return {}
 
 
 def data_wait(run_dir: str | None, warmup: int) -> float | None:

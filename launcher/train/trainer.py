@@ -122,8 +122,8 @@ def train(job: Job, run_dir: Path) -> Summary:
             if rank.is_main and job.resume is None:  # a resume writes its summary once its checkpoint loaded
                 directory.write_summary(summary)
             run = track.run = setup(job, directory, rank, summary, cleanup, started=track.started)
-            if rank.is_main and job.resume is not None:
-                directory.write_summary(summary)
+            if rank.is_main:  # and again with what setup learned (the data cache, the kernels, the records' plan):
+                directory.write_summary(summary)  # a run killed before its end keeps it
             return loop(run, track)
         except BaseException as err:
             raise _failed(err, job, directory, summary, track) from err

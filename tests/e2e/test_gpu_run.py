@@ -43,6 +43,7 @@ def test_the_rehearsal_writes_a_plain_loop_row_then_the_launchers_rows_with_thei
     assert [(row["phase"], row["batching"], row["method"], row["kernels"]) for row in launcher] == [
         ("packing", "pack", "full", "torch"), ("lora7b", "pack", "lora", "torch"), ("video16", "pad", "full", "torch")
     ]  # fmt: skip
+    assert all(row["kernels_ran"] == "torch" for row in launcher)  # read from each candidate run's summary.json
     for row in rows:
         assert row["real_tokens_per_s"] > 0 and 0 < row["mfu"] < 1 and row["peak_mib"] > 0, row
     for row in launcher:

@@ -113,5 +113,7 @@ def test_a_rank_killed_by_the_kernel_is_recorded_and_leaves_no_process(isolated_
     assert line in err and "Traceback" not in err
     summary = read_summary(run_dir)
     assert summary["status"] == "failed" and line in summary["error"]
+    # What the rank learned before its first step is kept: it wrote the summary once more when set up.
+    assert summary["data_cache"]["path"] and summary["kernels"] == "torch" and summary["planned_memory_bytes"] > 0
     _, alive = psutil.wait_procs(family, timeout=15)
     assert alive == []
