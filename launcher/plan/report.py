@@ -231,10 +231,15 @@ def _before_the_cache(cfg: Config, model_path: str, shapes: RecordShapes | None,
     data, local = cfg.data, str(cfg.model.source) == "tiny" or Path(model_path).expanduser().is_dir()
     if shapes is not None or cfg.plan.seq_len or cfg.plan.text_tokens or not data.cache or data.streaming or not local:
         return ""
-    assumed = "data.max_length" if planned_at_max_length(cfg) else "plan.text_tokens' default and its images' tokens"
+    if data.packing and pack_length(data) is not None:  # a row is full either way: its images are what was assumed
+        assumed = f"packed rows of {seq_len} tokens holding records of plan.text_tokens' default length"
+    elif planned_at_max_length(cfg):
+        assumed = f"{seq_len} tokens a sample (data.max_length)"
+    else:
+        assumed = f"{seq_len} tokens a sample (plan.text_tokens' default and its images' tokens)"
     return (
-        f"; the data cache is not built yet, so each sample was planned at {seq_len} tokens ({assumed}): "
-        "python -m launcher.prepare with the same overrides builds it, and the plan then reads the records' lengths"
+        f"; the data cache is not built yet, so the plan assumed {assumed}: python -m launcher.prepare with the "
+        "same overrides builds it, and the plan then reads the records"
     )
 
 

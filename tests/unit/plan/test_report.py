@@ -329,12 +329,14 @@ def test_preflight_warns_with_a_preset_that_fits(published, tmp_path):
     assert "expected to fit: deepspeed=z1 precision=bf16" in warning
     # Planned at an assumed length only because the cache is not built: the line says how to plan the records.
     assert warning.endswith(
-        "; the data cache is not built yet, so each sample was planned at 1088 tokens (plan.text_tokens' default "
-        "and its images' tokens): python -m launcher.prepare with the same overrides builds it, and the plan then "
-        "reads the records' lengths"
+        "; the data cache is not built yet, so the plan assumed 1088 tokens a sample (plan.text_tokens' default and "
+        "its images' tokens): python -m launcher.prepare with the same overrides builds it, and the plan then reads "
+        "the records"
     ), warning
     capped = plan.preflight(*_planned([*overrides, "deepspeed=z0", "data.max_length=2048"], CUDA))
-    assert "so each sample was planned at 2048 tokens (data.max_length): python -m launcher.prepare" in capped
+    assert "so the plan assumed 2048 tokens a sample (data.max_length): python -m launcher.prepare" in capped
+    packed = plan.preflight(*_planned([*overrides, "deepspeed=z0", "data.packing=true", "data.pack_length=4096"], CUDA))
+    assert "so the plan assumed packed rows of 4096 tokens holding records of plan.text_tokens' default " in packed
     uncached = plan.preflight(*_planned([*overrides, "deepspeed=z0", "data.max_length=2048", "data.cache=false"], CUDA))
     assert uncached is not None and "launcher.prepare" not in uncached  # nothing to prepare
     assert plan.preflight(*_planned([*overrides, "deepspeed=z3"], CUDA)) is None
