@@ -86,13 +86,6 @@ PLANNED: list[tuple[str, str, Callable[[list[dict[str, Any]]], bool]]] = [
         lambda dicts: len(dicts) == 1,
     ),
     (
-        "train.py method=lora",
-        "tests/unit/launch/test_run.py::test_the_pretrained_tiny_base_is_trained_once_by_train_py_and_loaded_by_the_"
-        "lora_job trains this job as it is, its tiny base pretrained first (a dry run trains no base); here its "
-        "adapters are planned",
-        lambda dicts: len(dicts) == 1,
-    ),
-    (
         "train.py loss=dpo data.task=colour",
         "tests/e2e/test_preference.py trains the built-in preference task (1,024 pairs, 2 ranks, ZeRO-0 and "
         "ZeRO-3) to a held-out reward accuracy of 0.95, tests/unit/train/test_preference_training.py at 1 rank",
