@@ -245,7 +245,7 @@ def _substitute(text: str, data: Path) -> str:
 
 
 # What a command planned only draws of the built-in set (a dry run makes it first): its size changes no dict, and
-# the default 4,000 clips of data.task=motion took 19 s to draw, against 7 s for the whole dry run at this size.
+# the dry run of data.task=motion took 19.4 s at the default 4,000 clips, 7.0 s at this size.
 PLANNED_BUILT_IN_SET = ["data.n_train=64", "data.n_eval=16"]
 
 
