@@ -312,7 +312,7 @@ def tune_row(result: dict[str, Any], phase: Phase, context: dict[str, Any], warm
     candidate = result["candidate"]
     peak, planned = result.get("peak"), result.get("planned")
     # What its run's summary says ran (the layers liger patched, where the loss went), else what the phase asked.
-    ran = run_summary(result.get("run_dir")).get("kernels")
+    ran = ran_kernels(result.get("run_dir"))
     return {
         "runner": "launcher",
         "phase": phase.name,
@@ -342,14 +342,12 @@ def tune_row(result: dict[str, Any], phase: Phase, context: dict[str, Any], warm
     }
 
 
-def run_summary(run_dir: str | None) -> dict[str, Any]:
-    """A candidate run's summary.json ({} when it wrote none)."""
-    path = Path(run_dir) / "summary.json" if run_dir else None
-    if path is None or not path.is_file():
-        return {}
-    with contextlib.suppress(ValueError):
-        return json.loads(path.read_text())
-    return {}
+def ran_kernels(run_dir: str | None) -> str | None:
+    """model.kernels as a candidate run's summary.json records it (None: no summary, or none recorded)."""
+    from launcher.core.rundir import RunDir
+
+    summary = RunDir(Path(run_dir)).read_summary() if run_dir else None
+    return None if summary is None else summary.kernels
 
 
 def data_wait(run_dir: str | None, warmup: int) -> float | None:

@@ -41,6 +41,7 @@ from launcher.model.stats import (
 from launcher.plan.data import data_lines, record_shapes
 from launcher.plan.memory import (
     PRESETS,
+    Estimate,
     GiB,
     Layout,
     Row,
@@ -255,7 +256,7 @@ def planned_from_cache(cfg: Config, spec: Job, shapes: RecordShapes) -> int | No
     return planned_bytes(est, target_device(cfg.plan).kind)
 
 
-def _job_estimate(cfg: Config, spec: Job, stats: ModelStats, shapes: RecordShapes | None):
+def _job_estimate(cfg: Config, spec: Job, stats: ModelStats, shapes: RecordShapes | None) -> tuple[Estimate, int]:
     """The estimate of the job's own DeepSpeed dict, and the tokens per sample it planned."""
     seq_len, images = sequence(cfg, stats, shapes)
     layout = layout_from_ds_config(spec.ds_config, world_size=spec.world_size, ranks_per_node=spec.ranks_per_node)
