@@ -234,7 +234,8 @@ def base_run(quick_run) -> Path:
 
 @pytest.fixture(scope="module")
 def state(work: Path) -> dict[str, Path]:
-    """Runs made by earlier commands (the sweep, the LoRA run) for later ones (compare, export)."""
+    """The runs some commands make (the sweep, the LoRA run: MAKERS) for the ones that read them (compare,
+    export), in this process."""
     return {}
 
 
@@ -266,13 +267,64 @@ def _planned_dicts(directory: Path, multirun: bool) -> list[dict[str, Any]]:
     return [json.loads((folder / "ds_config.json").read_text()) for folder in folders]
 
 
+def _train_command(
+    number: int, command: str, work: Path, env: dict[str, str], data: Path, base_run: Path, state: dict[str, Path]
+) -> None:
+    """Run a README `python train.py ...` line (tiny, planned only or resumed from the session's run) and check
+    what it wrote; the runs later commands read go into `state`."""
+    where = f"README.md line {number} ({command})"
+    name = f"line{number}"
+    args = shlex.split(_substitute(command, data))[2:]
+    planned = next((entry for entry in PLANNED if entry[0] in command), None)
+    if any(arg.startswith("resume=") for arg in args):
+        copy = work / f"{name}_resumed"
+        shutil.copytree(base_run, copy)
+        args = [f"resume={copy}" if arg.startswith("resume=") else arg for arg in args]
+        args = _with(args, ["train.max_steps=3"])
+        _run([sys.executable, "train.py", *_with(args, TINY[1:])], env, where)
+        summary = json.loads((copy / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["steps"] == 3, f"{where}: {summary}"
+        return
+    train_argv = _train_argv(args, name, work, planned is not None)
+    output = _run(train_argv, env, where)
+    if "--cfg" in args:
+        assert "zero" in output, f"{where}: printed no config"
+        return
+    if "-m" in args:
+        assert (work / name / "compare.md").is_file(), f"{where}: the sweep wrote no comparison"
+        state["sweep"] = work / name
+    if "dry_run=true" in train_argv:
+        dicts = _planned_dicts(work / name, "-m" in args)
+        assert dicts, f"{where}: the dry run wrote no ds_config.json"
+        if planned is not None:
+            _, trained_in, check = planned
+            assert check(dicts), f"{where}: planned only ({trained_in}); its dicts: {dicts}"
+    elif "-m" not in args:
+        summary = json.loads((work / name / "summary.json").read_text())
+        assert summary["status"] == "completed", f"{where}: {summary}"
+        if "method=lora" in args:
+            state["lora"] = work / name
+
+
+# Runs that later commands read, and the README command that makes each. A command that reads one runs its
+# maker first when this process has not: under -n, pytest-xdist may give the two to different workers.
+MAKERS = {"lora": "python train.py method=lora", "sweep": "python train.py -m deepspeed=z0,z2,z3 precision=bf16,fp32"}
+
+
+def _made(key: str, work: Path, env: dict[str, str], data: Path, base_run: Path, state: dict[str, Path]) -> Path:
+    if key not in state:
+        maker = next(((number, command) for number, command in COMMANDS if command == MAKERS[key]), None)
+        assert maker, f"the README no longer has `{MAKERS[key]}`, which makes the {key} run later commands read"
+        _train_command(*maker, work, env, data, base_run, state)
+    return state[key]
+
+
 @pytest.mark.parametrize(("number", "command"), COMMANDS, ids=[f"README:{n}" for n, _ in COMMANDS])
 def test_readme_command(number, command, work, env, data, base_run, state):
     where = f"README.md line {number} ({command})"
     name = f"line{number}"
     text = _substitute(command, data)
     exception = next((why for fragment, why in EXCEPTIONS if fragment in command), None)
-    planned = next((entry for entry in PLANNED if entry[0] in command), None)
     argv = shlex.split(text)
     assert argv[0] == "python", f"{where}: not a `python ...` command; add it to EXCEPTIONS with a reason"
     if exception:
@@ -281,35 +333,9 @@ def test_readme_command(number, command, work, env, data, base_run, state):
         assert "zero" in composed, f"{where}: --cfg job printed no config"
         pytest.skip(f"{where}: composed only: {exception}")
     if argv[1] == "train.py":
-        args = argv[2:]
-        if any(arg.startswith("resume=") for arg in args):
-            copy = work / f"{name}_resumed"
-            shutil.copytree(base_run, copy)
-            args = [f"resume={copy}" if arg.startswith("resume=") else arg for arg in args]
-            args = _with(args, ["train.max_steps=3"])
-            _run([sys.executable, "train.py", *_with(args, TINY[1:])], env, where)
-            summary = json.loads((copy / "summary.json").read_text())
-            assert summary["status"] == "completed" and summary["steps"] == 3, f"{where}: {summary}"
-            return
-        train_argv = _train_argv(args, name, work, planned is not None)
-        output = _run(train_argv, env, where)
-        if "--cfg" in args:
-            assert "zero" in output, f"{where}: printed no config"
-            return
-        if "-m" in args:
-            assert (work / name / "compare.md").is_file(), f"{where}: the sweep wrote no comparison"
-            state["sweep"] = work / name
-        if "dry_run=true" in train_argv:
-            dicts = _planned_dicts(work / name, "-m" in args)
-            assert dicts, f"{where}: the dry run wrote no ds_config.json"
-            if planned is not None:
-                _, trained_in, check = planned
-                assert check(dicts), f"{where}: planned only ({trained_in}); its dicts: {dicts}"
-        elif "-m" not in args:
-            summary = json.loads((work / name / "summary.json").read_text())
-            assert summary["status"] == "completed", f"{where}: {summary}"
-            if "method=lora" in args:
-                state["lora"] = work / name
+        if any(state.get(key) == work / name for key in MAKERS):
+            return  # a command that reads this run made it first, in this process, and checked it
+        _train_command(number, command, work, env, data, base_run, state)
         return
     module = argv[2] if argv[1] == "-m" else None
     if module == "launcher.plan":
@@ -318,14 +344,14 @@ def test_readme_command(number, command, work, env, data, base_run, state):
         output = _run([sys.executable, "-m", module, *argv[3:]], env, where)
         assert "train: " in output and "prepared in" in output, f"{where}: {output[-500:]}"
     elif module == "launcher.compare":
-        assert "sweep" in state, f"{where}: needs the README's sweep to run first"
-        args = [str(state["sweep"]) if arg == README_SWEEP_DIR else arg for arg in argv[3:]]
+        sweep = _made("sweep", work, env, data, base_run, state)
+        args = [str(sweep) if arg == README_SWEEP_DIR else arg for arg in argv[3:]]
         output = _run([sys.executable, "-m", module, *args], env, where)
         assert "compare.md" in output, f"{where}: {output[-500:]}"
     elif module == "launcher.export":
-        assert "lora" in state, f"{where}: needs the README's `method=lora` run first"
+        lora = _made("lora", work, env, data, base_run, state)
         out = work / f"{name}_export"
-        args = [str(state["lora"]) if arg == "RUN_DIR" else str(out) if arg == "DIR" else arg for arg in argv[3:]]
+        args = [str(lora) if arg == "RUN_DIR" else str(out) if arg == "DIR" else arg for arg in argv[3:]]
         _run([sys.executable, "-m", module, *args], env, where)
         assert (out / "config.json").is_file(), f"{where}: no model in {out}"
     elif module == "launcher.infer":
