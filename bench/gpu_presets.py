@@ -335,10 +335,12 @@ def worker(args: argparse.Namespace) -> None:
     from transformers.integrations import HfDeepSpeedConfig
 
     from launcher.train.memory_meter import HOST_PEAK, PEAK, MemoryMeter
+    from launcher.train.ops import prepare_ops
 
     deepspeed_logger.setLevel(logging.WARNING)
     size = TINY if args.tiny else FULL
     cuda = args.device == "cuda"
+    prepare_ops()  # as a rank does: on a CPU, no 50 s build of the shared-memory comm op training never uses
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:

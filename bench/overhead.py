@@ -108,9 +108,11 @@ def hand_loop(ref_run: Path, steps: int, out: Path) -> None:
     from launcher.data.cache import CachedCollator, CachedDataset, cache_key
     from launcher.data.length import LengthLimit
     from launcher.model.loading import load_model_and_processor
+    from launcher.train.ops import prepare_ops
 
     deepspeed_logger.setLevel(logging.WARNING)  # the recipe quiets it too (it logs every config key)
     cfg, ds_config, records, model_dir = common.reference_inputs(ref_run)
+    prepare_ops()  # no 50 s build of the shared-memory comm op that neither side's training uses
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     seed = int(cfg.train.seed)

@@ -568,8 +568,11 @@ def _probe_main(argv: list[str]) -> int:
     import torch
     from deepspeed.utils import logger
 
+    from launcher.train.ops import prepare_ops
+
     logger.setLevel(logging.WARNING)
     _, model_dir, cases_file = argv
+    prepare_ops()  # as a rank does: no 50 s build of the shared-memory comm op training never uses
     deepspeed.init_distributed(dist_backend="gloo")
     out = Path(cases_file).parent / f"probe_rank{torch.distributed.get_rank()}.txt"
     try:
