@@ -206,10 +206,14 @@ def decode_clip(source: str | bytes, sampling: VideoSampling) -> Clip:
             container = _open(source)
         wanted = sample_frames(info, sampling)
         needed, last = set(wanted), max(wanted)
-        # FFmpeg's own threads stay off: the DataLoader's workers decode videos side by side already.
-        for index, frame in enumerate(container.decode(container.streams.video[0])):
+        # FFmpeg's own threads stay off, the decoder's and the scaler's to RGB (PyAV's defaults ask both for a
+        # thread per core): the DataLoader's workers decode videos side by side already, and in a forked worker
+        # the scaler's pool once never woke, so the cache build waited there for good.
+        stream = container.streams.video[0]
+        stream.codec_context.thread_count = 1
+        for index, frame in enumerate(container.decode(stream)):
             if index in needed:
-                decoded[index] = _within(frame.to_image(), sampling.max_pixels)
+                decoded[index] = _within(frame.to_image(threads=1), sampling.max_pixels)
             if index >= last:
                 break
     except (av.FFmpegError, OSError, ValueError, EOFError) as error:

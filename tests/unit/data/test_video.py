@@ -262,3 +262,32 @@ def test_decoded_frames_are_the_sampled_ones_within_the_pixel_budget(tmp_path):
         other = write_video(tmp_path / f"clip{suffix}", frames(12), fps=4, codec=codec)
         assert probe_video(str(other)).frames == 12
         assert frame_levels(decode_frames(str(other), sampling)) == [0, 2, 4, 7, 9, 11], codec
+
+
+def test_decoding_starts_no_thread_of_ffmpeg(tmp_path):
+    """Neither the decoder nor the scaler to RGB starts threads (PyAV's defaults start a pool per core for each,
+    4 more threads here): the DataLoader's workers decode side by side, and in a forked worker the scaler's pool
+    once never woke, hanging a cache build. Every thread of this process is counted while a clip decodes."""
+    import os
+    import threading
+    import time
+
+    rng = np.random.default_rng(0)
+    noisy = [rng.integers(0, 256, (256, 256, 3), dtype=np.uint8) for _ in range(16)]  # work enough to thread
+    clip = write_video(tmp_path / "noisy.mp4", noisy, fps=8)
+    before, most, done = len(os.listdir("/proc/self/task")), [0], threading.Event()
+
+    def count() -> None:
+        while not done.is_set():
+            most[0] = max(most[0], len(os.listdir("/proc/self/task")))
+            time.sleep(0.0005)
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    try:
+        decoded = decode_frames(str(clip), VideoSampling(min_frames=8, max_frames=16))
+    finally:
+        done.set()
+        counter.join()
+    assert len(decoded) >= 8
+    assert most[0] == before + 1, f"{most[0] - before - 1} threads started while decoding"  # +1: the counter
