@@ -27,12 +27,15 @@ def test_computes_nothing():
 def test_each_test_has_its_own_and_its_processes_cpu(tmp_path):
     (tmp_path / "test_suite.py").write_text(SUITE)
     out = tmp_path / "times.jsonl"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # A pytest of its own: none of this run's PYTEST_* (its options, xdist's worker name).
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}, "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.cpu_times"]
-    done = subprocess.run([*command, "--cpu-times", str(out), "test_suite.py"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    command += [f"--cpu-times={out}", f"--rootdir={tmp_path}", "test_suite.py"]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     records = {record["test"]: record for record in map(json.loads, out.read_text().splitlines())}
+    assert set(records) == {f"test_suite.py::{name}" for name in ("test_starts_a_process_that_computes",
+                                                                   "test_computes_nothing")}, records  # fmt: skip
     computes = records["test_suite.py::test_starts_a_process_that_computes"]
     idle = records["test_suite.py::test_computes_nothing"]
     assert computes["children_cpu_s"] > 0.2 and computes["wall_s"] > computes["self_cpu_s"], computes
