@@ -7,6 +7,7 @@ and the data cache (bytes per record against the source file's, its build time p
     python bench/video_data.py --wait               # the data-wait share of training with 0, 2, 4 workers
     python bench/video_data.py --startup 1000 10000 # a new job's start-up on that many video records
     python bench/video_data.py --learn tiny_qwen2_vl tiny_llava --seeds 0 1 2   # the motion task learned?
+    python bench/video_data.py --threads            # decoding with FFmpeg's threads off against PyAV's defaults
 
 Clips: the built-in motion task's (32 x 32, 8 frames, 2 s; 4 frames sampled at data.video's default 2 per
 second) and larger ones (224 x 224, 64 frames at 8 per second, 8 s; 16 frames sampled). The processor is the
@@ -28,6 +29,10 @@ rank's data cache build and the rest of the rank (summary.json: imports, DeepSpe
 --learn ARCH... --seeds S...: the plain `python train.py data.task=motion model=ARCH train.seed=S` (1,000 steps,
 an evaluation every 250), each in a cache of its own: its held-out exact match at each evaluation, and its
 wall time from the command to its end (the tiny model's build and the data's generation and cache included).
+
+--threads: one clip of each size decoded as a worker decodes it (launcher.data.video.decode_clip: one open,
+the sampled frames scaled to RGB, FFmpeg's threads off) and the same with PyAV's defaults (a thread pool per
+core for the decoder and for the scaler): CPU and wall ms per clip, the median of 5 rounds of 20 (range beside).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from launcher.data.cache import RecordEncoder, ensure_cache
 from launcher.data.formats import ReadOptions, read_records
 from launcher.data.records import ConversationDataset
 from launcher.data.shapes import MOTION_FPS, _draw_motion
-from launcher.data.video import VideoSampling, write_video
+from launcher.data.video import VideoSampling, _facts, _open, decode_clip, sample_frames, write_video
 from launcher.model.tiny import build_tiny_model_dir
 
 WORDS = ["which way does the shape move?", "left", "right", "up", "down"]
@@ -170,6 +175,40 @@ def learn(root: Path, arch: str, seed: int) -> dict:
     }
 
 
+def decode_threads(root: Path, rounds: int = 5, clips_per_round: int = 20) -> list[dict]:
+    """decode_clip (FFmpeg's threads off) against the same decode with PyAV's default threads, per clip."""
+    rng = np.random.default_rng(0)
+
+    def with_defaults(path: str, sampling: VideoSampling) -> None:  # decode_clip as it was: one open, no threads=1
+        with _open(path) as container:
+            wanted = set(sample_frames(_facts(container, path, count=False), sampling))
+            for index, frame in enumerate(container.decode(container.streams.video[0])):
+                if index in wanted:
+                    frame.to_image()
+                if index >= max(wanted):
+                    break
+
+    rows = []
+    for name, side, count, sampled in (("32 px, 8 frames", 32, 8, 4), ("224 px, 64 frames", 224, 64, 16)):
+        noise = [np.clip(rng.normal(128, 40, (side, side, 3)), 0, 255).astype(np.uint8) for _ in range(count)]
+        path = str(write_video(root / f"{side}.mp4", noise, fps=8, codec="mpeg4"))
+        sampling = VideoSampling(min_frames=sampled, max_frames=sampled)
+        for how, decode in (("PyAV's defaults", with_defaults), ("decode_clip (threads off)", decode_clip)):
+            decode(path, sampling)  # warm
+            cpus, walls = [], []
+            for _ in range(rounds):
+                cpu, wall, _ = timed(lambda d=decode, p=path, s=sampling: [d(p, s) for _ in range(clips_per_round)])
+                cpus.append(1e3 * cpu / clips_per_round)
+                walls.append(1e3 * wall / clips_per_round)
+            cpus.sort()
+            walls.sort()
+            rows.append({"clip": name, "frames sampled": sampled, "decoding": how,
+                         "CPU ms/clip": f"{cpus[rounds // 2]:.2f} ({cpus[0]:.2f}-{cpus[-1]:.2f})",
+                         "wall ms/clip": f"{walls[rounds // 2]:.2f} ({walls[0]:.2f}-{walls[-1]:.2f})"})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", type=int, nargs="+", default=[1000, 10000], help="32 px clips per run")
@@ -178,7 +217,12 @@ def main() -> None:
     parser.add_argument("--startup", type=int, nargs="+", help="a first job's start-up on this many video records")
     parser.add_argument("--learn", nargs="+", help="train the motion task on these tiny models (--seeds)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--threads", action="store_true", help="decoding with FFmpeg's threads off and on")
     args = parser.parse_args()
+    if args.threads:
+        with tempfile.TemporaryDirectory() as tmp:
+            print_markdown_table(decode_threads(Path(tmp)))
+        return
     if args.learn:
         with tempfile.TemporaryDirectory() as tmp:
             rows = []
