@@ -1,9 +1,11 @@
 import sys
 
+from launcher.core.children import exit_without_teardown
 from launcher.core.logs import route_library_logs
 
 route_library_logs()  # before deepspeed is imported: its "Setting accelerator to CPU" is noise here
 
 from launcher.infer.infer import main  # noqa: E402
 
-sys.exit(main(prog="python -m launcher.chat"))
+with exit_without_teardown():  # its end without the interpreter's teardown (launcher.core.children)
+    sys.exit(main(prog="python -m launcher.chat"))

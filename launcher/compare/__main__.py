@@ -3,5 +3,7 @@
 import sys
 
 from launcher.compare.cli import main
+from launcher.core.children import exit_without_teardown
 
-sys.exit(main())
+with exit_without_teardown():  # its end without the interpreter's teardown (launcher.core.children)
+    sys.exit(main())

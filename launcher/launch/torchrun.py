@@ -45,4 +45,7 @@ def _leave_the_stop_to_the_ranks(_signum: int, _frame: object) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from launcher.core.children import exit_without_teardown
+
+    with exit_without_teardown():  # its end without the interpreter's teardown (~0.5 CPU s)
+        sys.exit(main())

@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from launcher.core.children import die_with_parent
+from launcher.core.children import die_with_parent, exit_without_teardown
 from launcher.core.errors import LauncherError
 from launcher.core.signals import recording_stop_signals
 
@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # From the first line: a stop while this rank starts (torch's import, the model) ends it after one step.
-    with recording_stop_signals():
-        code = main()
-    sys.exit(code)
+    with exit_without_teardown():  # the rank's end: ~1.3 CPU s sooner (launcher.core.children)
+        # From the first line: a stop while this rank starts (torch's import, the model) ends it after one step.
+        with recording_stop_signals():
+            code = main()
+        sys.exit(code)
