@@ -41,7 +41,7 @@ def exit_without_teardown() -> Iterator[None]:
     the atexit handlers (logging's, wandb's, multiprocessing's, ours), flushes the output buffers (Python's,
     then C's: DeepSpeed's ops print too). What it leaves out is the interpreter's teardown, which frees every
     module's objects with full garbage collections over millions of them (torch, transformers, DeepSpeed):
-    measured here, ~1.3 CPU s of a rank's or the launcher's end, and ~0.5 s of torch's launcher's.
+    measured here, ~1.6 CPU s of a rank's or the launcher's end, ~0.5 s of torch's launcher's (bench/process_end.py).
 
     Any other exception leaves as usual: its traceback, then Python's own exit."""
     shutdown = getattr(threading, "_shutdown", None)
