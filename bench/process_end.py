@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import resource
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
 from _common import QUIET_JOB, ROOT, bench_env, interleaved_order, print_markdown_table, work_dir
 from overhead import ratio_interval
+
+from launcher.launch.ranks import free_port
 
 WITHOUT_TEARDOWN = "from launcher.core.children import exit_without_teardown\nwith exit_without_teardown():\n    pass\n"
 IMPORTS = {
@@ -42,12 +43,6 @@ RANK_PYTHON_EXIT = "import sys\nfrom launcher.launch.worker import main\nsys.exi
 def children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def timed(command: list[str], env: dict[str, str]) -> tuple[float, float]:

@@ -74,7 +74,7 @@ with exit_without_teardown() if wrap else contextlib.nullcontext():
 def test_an_entry_point_ends_as_python_would_but_without_the_teardown(tmp_path, how, status, wrapped):
     """launcher.core.children.exit_without_teardown, around train.py's, a rank's and the commands' bodies: the
     same exit status, output, atexit handlers and waited-for threads as Python's own exit; only the
-    interpreter's teardown (here a module global's finalizer; in a rank ~1.3 CPU s of garbage collection)
+    interpreter's teardown (here a module global's finalizer; in a rank ~1.6 CPU s, bench/process_end.py)
     is left out."""
     done = subprocess.run(
         [sys.executable, "-c", ENDING, str(tmp_path), how, "wrapped" if wrapped else "plain"],
