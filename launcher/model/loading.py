@@ -361,6 +361,15 @@ def random_build(path_or_hub_id: str) -> dict[str, Any] | None:
     return json.loads(record.read_text())
 
 
+def made_where_it_trains(path_or_hub_id: str, device: Any, *, zero3: bool) -> dict[str, Any]:
+    """The loading keywords that make a random build's weights on the device they train on (outside ZeRO-3,
+    which places them itself): a GPU draws them in a second where a CPU takes a minute for 7B, and the two
+    draw different weights from one seed, so every copy of a model (a live DPO reference) is made there."""
+    if zero3 or random_build(path_or_hub_id) is None:
+        return {}
+    return {"device_map": {"": device}}
+
+
 # Written last into a tiny build (launcher.model.tiny); its presence with the same arguments marks it complete.
 TINY_BUILD_RECORD = "tiny_build.json"
 RANDOM_BUILD_RECORD = "random_build.json"  # the same, for a random build of a real architecture

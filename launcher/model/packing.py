@@ -36,7 +36,11 @@ def packed_inputs(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
     lengths, images, videos = batch[RECORD_LENGTHS], batch[RECORD_IMAGES], batch[RECORD_VIDEOS]
     rows, width = inputs["input_ids"].shape
     inputs[PACKED_SPANS] = lengths  # read by packed_sdpa_attention (use_packed_attention); others ignore it
-    if _text_attention(model) in (PACKED_ATTENTION, PACKED_VARLEN):
+    attention = _text_attention(model)
+    if attention == PACKED_VARLEN:
+        # Once a batch, moved with it: built in each layer, its copy to the GPU waited for all queued work.
+        inputs[PACKED_BOUNDS] = varlen_bounds(lengths, width)
+    if attention in (PACKED_ATTENTION, PACKED_VARLEN):
         # It needs no mask: a 4-D one is passed as is, so transformers builds none (a row x length^2 build
         # per forward, ~5% of a tiny model's packed step here). An all-true view that allocates nothing.
         inputs["attention_mask"] = torch.ones((1, 1, 1, 1), dtype=torch.bool).expand(rows, 1, width, width)
@@ -125,6 +129,14 @@ def packed_sdpa_attention(
 
 # ----------------------------------------------------------------------------- one varlen kernel (CUDA)
 PACKED_VARLEN = "packed_varlen"  # every record of the batch in one call of torch's varlen flash kernel
+PACKED_BOUNDS = "packed_bounds"  # the model-call keyword with the sequences' bounds in the flattened batch
+
+
+def varlen_bounds(spans: list[list[int]], width: int) -> torch.Tensor:
+    """Where each record (and each row's padding, a sequence of its own) starts in the batch flattened to
+    rows x width positions, and where the last ends: the varlen kernel's cu_seqlens, int32."""
+    lengths = [n for row in spans for n in [*row, width - sum(row)] if n]
+    return torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
 
 
 def _varlen_kernel() -> Any:
@@ -152,9 +164,11 @@ def packed_varlen_attention(
     if spans is None or kernel is None or not _varlen_runs(query, kwargs):
         return packed_sdpa_attention(module, query, key, value, attention_mask, **kwargs)
     rows, heads, width, dim = query.shape
-    lengths = [n for row in spans for n in [*row, width - sum(row)] if n]
-    bounds = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(query.device)
-    longest = max(lengths)
+    bounds = kwargs.get(PACKED_BOUNDS)
+    if bounds is None:  # a call from outside the training step (packed_inputs makes them once a batch)
+        bounds = varlen_bounds(spans, width)
+    bounds = bounds.to(query.device)  # nothing to do when it came with the batch
+    longest = max(n for row in spans for n in [*row, width - sum(row)])
 
     def flat(tensor: torch.Tensor) -> torch.Tensor:  # [rows, heads, width, dim] -> [rows x width, heads, dim]
         return tensor.transpose(1, 2).reshape(rows * width, tensor.shape[1], dim)

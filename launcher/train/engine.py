@@ -23,7 +23,12 @@ from launcher.job.spec import Job
 from launcher.model.components import apply_freeze, compile_layers, enable_gradient_checkpointing
 from launcher.model.groups import OptimizerGroup, optimizer_groups, stage_specs
 from launcher.model.kernels import apply_liger_layers, enable_fused_loss, kernels_used
-from launcher.model.loading import load_model_and_processor, random_build, read_config, resolve_attn_implementation
+from launcher.model.loading import (
+    load_model_and_processor,
+    made_where_it_trains,
+    read_config,
+    resolve_attn_implementation,
+)
 from launcher.model.method import (
     apply_method,
     keep_4bit_layout,
@@ -204,8 +209,7 @@ def load_model(
         extra["quantization_config"] = quantization_config(method, job.precision, keep=keep)
         if not zero3:  # bitsandbytes quantises as the weights reach the device; ZeRO-3 places them itself
             extra["device_map"] = {"": rank.device}
-    if random_build(str(path)) is not None and not zero3:  # random weights made where they train
-        extra["device_map"] = {"": rank.device}
+    extra.update(made_where_it_trains(str(path), rank.device, zero3=zero3))
     # At ZeRO-3 transformers must know the DeepSpeed config before the model is built, so that
     # from_pretrained partitions the weights at construction instead of materialising them per rank.
     hf_ds_config = None

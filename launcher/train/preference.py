@@ -230,7 +230,7 @@ def build_live_reference(job: Job, rank: Rank, ds_config: dict[str, Any]) -> Liv
     import deepspeed
 
     from launcher.core.logs import quiet_transformers
-    from launcher.model.loading import load_model_and_processor, resolve_attn_implementation
+    from launcher.model.loading import load_model_and_processor, made_where_it_trains, resolve_attn_implementation
 
     config = {
         key: ds_config[key]
@@ -256,7 +256,7 @@ def build_live_reference(job: Job, rank: Rank, ds_config: dict[str, Any]) -> Liv
     quiet_transformers()
     model, _ = load_model_and_processor(
         str(job.model_path), attn_implementation=attention, min_pixels=model_cfg.min_pixels,
-        max_pixels=model_cfg.max_pixels,
+        max_pixels=model_cfg.max_pixels, **made_where_it_trains(str(job.model_path), rank.device, zero3=stage == 3),
     )  # fmt: skip
     model.config.use_cache = False
     model.requires_grad_(False)

@@ -1,9 +1,10 @@
 """`train.profile_steps=[FIRST,LAST]`: where those training steps' time goes, on rank 0, as a table.
 
 torch.profiler records the steps FIRST to LAST (inclusive) of rank 0. Each operator's own time (its self
-time: a GPU's kernel time where the device is a GPU, else the CPU time of the operator) goes to one part:
+time: on a GPU the time of the kernels it launched, counted there once; else its CPU time) goes to one part:
 
-    data wait        waiting for the next batch (the loop's `launcher/data` scope)
+    data wait        waiting for the next batch: the wall time of the loop's `launcher/data` scope (on a GPU,
+                     kernels queued before it may still run meanwhile)
     communication    collectives (all-reduce, reduce-scatter, all-gather, broadcast; NCCL or gloo kernels)
     optimizer        the optimizer step and what DeepSpeed does around it (`launcher/optimizer`)
     loss             the output layer and the log-probs of the answer tokens (launcher.model.logps's chunks)
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd import DeviceType
 
 from launcher.core.scopes import PREFIX, record_scopes
 
@@ -113,17 +115,28 @@ class Breakdown:
 
 
 def breakdown(events: Any, wall_s: float, steps: int, device: str) -> Breakdown:
-    """Each profiled operator's own time by part (`events`: torch.profiler's FunctionEvents); idle is the
-    wall time left over (none below zero: a CPU's threads can together exceed it)."""
+    """Each profiled operator's own time by part (`events`: torch.profiler's FunctionEvents), the data wait
+    as the wall time of the loop's `data` scope; idle is the wall time left over (none below zero: a CPU's
+    threads can together exceed it, and a GPU's kernels may run while the host waits for data)."""
     on_device = device == "cuda"
     seconds = dict.fromkeys(PARTS, 0.0)
     for event in events:
+        if event.device_type != DeviceType.CPU:
+            # A kernel, or the GPU's copy of a named range: torch lists each once more on its own, and its
+            # time is already its launching operator's (self_device_time_total), in that operator's scopes.
+            continue
         if event.name.startswith(PREFIX):
+            if event.name == PREFIX + "data":
+                # Waiting for a batch is mostly no operator (a queue's get): the range's wall time is the wait.
+                seconds["data wait"] += event.cpu_time_total / 1e6
             continue  # a scope: its operators count, not the range itself
+        scopes = _scopes(event)
+        if "data" in scopes:
+            continue  # inside the data wait, counted whole above
         own = (event.self_device_time_total if on_device else event.self_cpu_time_total) / 1e6
         if own <= 0:
             continue
-        seconds[part_of(event.name, _scopes(event))] += own
+        seconds[part_of(event.name, scopes)] += own
     seconds["idle"] = max(0.0, wall_s - sum(seconds.values()))
     clock = "device (CUDA kernels)" if on_device else "CPU (operators' own time)"
     return Breakdown(seconds, wall_s, steps, clock)

@@ -138,6 +138,23 @@ def _loss_and_grads(model, batch, chunk: int):
     return float(loss.detach()), torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
 
 
+def test_a_live_dpo_reference_of_a_random_build_starts_as_the_policy(train_in_process, tmp_path):
+    """model.source=random draws the weights on the device they train on, the live reference's too: the CPU's
+    generator and a GPU's give different weights for one seed, and DPO trained against another model (its
+    first loss was not log 2)."""
+    from tests.unit.model.test_random_build import small_qwen2_vl_dir
+
+    source = small_qwen2_vl_dir(tmp_path / "small")
+    ran = train_in_process(
+        "model=tiny_qwen2_vl", "model.source=random", f"model.path={source}", "model.arch=null", "loss=dpo",
+        "data.task=colour", "loss.reference=live", "deepspeed=z0", "precision=bf16", "train.max_steps=1",
+        "train.eval_every=0", "data.eval_accuracy=false", "data.n_train=32", "data.n_eval=8", "data.image_size=56",
+        "train.micro_batch_size=2", "train.global_batch_size=2", "logger=none",
+    )  # fmt: skip
+    assert ran.outcome.status == "completed", ran.outcome.error
+    assert losses(ran.run_dir)[0] == pytest.approx(math.log(2), abs=1e-3)
+
+
 @cuda_only
 @pytest.mark.parametrize("arch", ["tiny_llava", "tiny_qwen2_vl"])
 def test_varlen_packed_attention_gives_the_per_record_sdpas_loss_and_gradients(tmp_path, arch):

@@ -168,7 +168,8 @@ def test_the_varlen_path_lays_records_out_as_the_kernel_reads_them(model_dirs, a
         AttentionMaskInterface.register(packing.PACKED_VARLEN, sdpa_mask)
         model.set_attn_implementation({"text_config": packing.PACKED_VARLEN})
         VARLEN_CALLS.clear()
-        varlen = model(**packed_inputs(model, batch)).logits
+        varlen_inputs = packed_inputs(model, batch)
+        varlen = model(**varlen_inputs).logits
     torch.testing.assert_close(varlen, per_record, rtol=1e-5, atol=1e-5)
     width = batch["input_ids"].shape[1]
     bounds = [0]
@@ -177,3 +178,5 @@ def test_the_varlen_path_lays_records_out_as_the_kernel_reads_them(model_dirs, a
             if n:
                 bounds.append(bounds[-1] + n)
     assert VARLEN_CALLS and all(call == bounds for call in VARLEN_CALLS)  # one call per layer
+    # The bounds are made once a batch, beside it, and moved to the device with it, not in every layer.
+    assert varlen_inputs[packing.PACKED_BOUNDS].tolist() == bounds

@@ -6,8 +6,10 @@ import gzip
 import json
 
 import pytest
+from torch.autograd import DeviceType
+from torch.autograd.profiler_util import FunctionEvent
 
-from launcher.train.profile import PARTS, part_of
+from launcher.train.profile import PARTS, breakdown, part_of
 
 
 @pytest.mark.parametrize(
@@ -30,6 +32,46 @@ from launcher.train.profile import PARTS, part_of
 )
 def test_each_operator_goes_to_one_part(name, scopes, part):
     assert part_of(name, scopes) == part
+
+
+def _event(index, name, start_us, end_us, *, parent=None, kernel_us=0.0, on_gpu=False):
+    """One event as torch.autograd.profiler's parser builds it from a CUDA profile: an operator on the host
+    (its kernels appended to it, its scope its cpu_parent), or a kernel or range on the GPU."""
+    event = FunctionEvent(
+        index, name, thread=7 if on_gpu else 1, start_us=start_us, end_us=end_us, use_device="cuda",
+        device_type=DeviceType.CUDA if on_gpu else DeviceType.CPU,
+    )  # fmt: skip
+    if kernel_us:
+        event.append_kernel(name + "_kernel", 0, kernel_us)
+    if parent is not None:
+        event.cpu_parent = parent
+        parent.cpu_children.append(event)
+    return event
+
+
+def test_on_a_gpu_each_kernel_counts_once_and_the_data_wait_is_the_time_spent_waiting():
+    """torch lists a kernel twice (in its operator, and as an event of its own) and a named range once more
+    on the GPU: each kernel's time counts once, at its operator, in its scopes."""
+    data = _event(1, "launcher/data", 0, 3000)  # 3 ms waiting for a batch: no operator, no kernel
+    loss = _event(2, "launcher/loss", 3000, 5000)
+    matmul = _event(3, "aten::mm", 3010, 3020, parent=loss, kernel_us=1000)
+    optimizer = _event(4, "launcher/optimizer", 5000, 6000)
+    step = _event(5, "Optimizer.step#AdamW.step", 5010, 5900, parent=optimizer)  # torch's own range
+    adam = _event(6, "aten::_fused_adamw_", 5020, 5030, parent=step, kernel_us=500)
+    on_gpu = [
+        _event(7, "sm90_xmma_gemm_bf16_kernel", 3100, 4100, on_gpu=True),
+        _event(8, "fused_adamw_kernel", 5100, 5600, on_gpu=True),
+        _event(9, "Optimizer.step#AdamW.step", 5100, 5600, on_gpu=True),  # the range's copy on the GPU
+        _event(10, "launcher/loss", 3100, 4100, on_gpu=True),
+    ]
+    result = breakdown([data, loss, matmul, optimizer, step, adam, *on_gpu], wall_s=0.01, steps=1, device="cuda")
+    counted = {part: round(seconds * 1e3, 6) for part, seconds in result.seconds.items() if seconds}
+    assert counted == {"data wait": 3.0, "loss": 1.0, "optimizer": 0.5, "idle": 5.5}
+    # On a CPU an operator's own CPU time counts; the data wait is its scope's wall time, what ran in it included.
+    fetch = _event(11, "aten::stack", 100, 400, parent=data)
+    result = breakdown([data, fetch, loss, matmul], wall_s=0.01, steps=1, device="cpu")
+    counted = {part: round(seconds * 1e3, 6) for part, seconds in result.seconds.items() if seconds}
+    assert counted == {"data wait": 3.0, "loss": 0.01, "idle": 6.99}
 
 
 def test_a_profiled_run_writes_the_table_the_trace_and_the_shares(train_in_process, tmp_path):

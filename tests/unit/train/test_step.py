@@ -155,6 +155,19 @@ def test_a_batch_moves_to_the_device_with_floating_inputs_in_the_training_dtype(
     assert moved["n_images"] == [1, 1]
 
 
+def test_an_expanded_view_reaches_another_device_as_a_view_of_its_one_value():
+    """Packing's all-true mask is a rows x length^2 view of one value: moved whole, a GPU got 256 MiB per
+    micro-batch for 4 rows of 8,192, copied through the host ("meta" stands for the GPU: no values, strides)."""
+    mask = torch.ones((1, 1, 1, 1), dtype=torch.bool).expand(4, 1, 8192, 8192)
+    grid = torch.arange(6).reshape(2, 3).expand(5, 2, 3)  # a batch-wide view of a real block
+    moved = to_device({"attention_mask": mask, "grid": grid}, torch.device("meta"), torch.bfloat16)
+    assert moved["attention_mask"].shape == mask.shape and moved["attention_mask"].stride() == (0, 1, 0, 0)
+    assert moved["grid"].shape == grid.shape and moved["grid"].stride() == (0, 3, 1)
+    assert mask.to("meta").stride() == (8192 * 8192,) * 2 + (8192, 1)  # what `.to` alone makes of it
+    # Its values are the view's ("cpu:0" is another device than a tensor's "cpu" to `to_device`, with values).
+    assert torch.equal(to_device({"grid": grid}, torch.device("cpu", 0), torch.float32)["grid"], grid)
+
+
 @pytest.mark.slow
 def test_every_step_records_its_loss_rate_norm_speed_and_cpu_time(quick_run):
     rows = read_metrics(quick_run.run_dir)
