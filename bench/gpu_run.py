@@ -4,8 +4,9 @@
     python bench/gpu_run.py --cpu                                 # the rehearsal here: every phase, tiny sizes
 
 On a bare GPU machine the wheels in .whl/ (bench/device_wheels.sh) are installed first, as
-bench/device_check.py does. Phases, in this order, each skipped when the time left (--budget-s, default 540)
-is less than it needs:
+bench/device_check.py does. Phases, in this order (issue 41's targets first, then what each change buys),
+each skipped when the time left (--budget-s, default 540) is less than it needs; one call of 9 minutes
+measures the first few (their needs add up to more), and `--phases` runs the rest in another call:
 
   plain     bench/plain_loop.py: transformers' Qwen2-VL-2B at its real shape (2,208,985,600 parameters,
             random weights), no launcher code, at 8 x 1,024, 1 x 8,192 and 4 x 1,024 tokens (one 448 x 448
@@ -14,17 +15,18 @@ is less than it needs:
             448-pixel image cut to 1,024 tokens (data.max_length), micro batch 8, ZeRO 0, bf16.
   packing   variable-length records (one image and 20 to 1,800 answer words each: about 290 to 2,070
             tokens), packed into rows of 8,192 of at most 12 images at micro batches 1, 2, 4, ZeRO 0;
-  liger     the packing phase's rows (micro batches 1 and 2) with model.kernels=liger: liger-kernel's fused
-            loss, RMSNorm, SwiGLU, rotary and LayerNorm kernels (docs/models.md), as a ratio to those rows.
-  padding   the same records, length grouping and plain padding at micro batches 2, 4, 8
-            (data.max_length 2,304; the tuner plans them at the longest record its data cache holds).
-  z2        packed 8,192 at ZeRO 2 with activation checkpointing, micro batches 2 and 4.
   profile   the fastest launcher row so far once more, its step 3 profiled (train.profile_steps): where the
             step goes, by part (launcher/train/profile.py), as OUT/profile.md.
+  padding   the same records, length grouping and plain padding at micro batches 2, 4, 8 (data.max_length
+            8,192, sharing the packing phase's data cache; the tuner plans each at the longest record it holds).
   lora7b    Qwen2.5-VL-7B (8,292,166,656 parameters) LoRA, packed 16,384, checkpointing, micro batch 1.
-  z3_7b     Qwen2.5-VL-7B full at ZeRO 3, packed 16,384, checkpointing, micro batch 1.
+  liger     the packing phase's rows (micro batches 1 and 2) with model.kernels=liger: liger-kernel's fused
+            loss, RMSNorm, SwiGLU, rotary and LayerNorm kernels (docs/models.md), as a ratio to those rows.
+  z2        packed 8,192 at ZeRO 2 with activation checkpointing, micro batches 2 and 4.
   compile   the fixed row with model.compile=true (each layer's MLP and norms compiled by torch.compile; the
             first step pays the compilation): what fusing them buys, as a ratio to the fixed row.
+  z3_7b     Qwen2.5-VL-7B full at ZeRO 3, packed 16,384, checkpointing, micro batch 1. Not in the default
+            list: planned at ~171 GiB, it is pruned on one GPU (`--plan`).
   video16   Qwen2-VL-2B on video records (issue 43): one clip each, 16 frames of 448 x 448 sampled (4 per
             second of a 4 s clip), taken as a video (8 temporal patches of two frames: 2,048 tokens), a
             200-word answer; micro batches 1, 2, 4, padded, ZeRO 0, decoded by 4 DataLoader workers.
@@ -40,8 +42,9 @@ figure, the data-wait share of the measured steps. The plain loop's MFU is count
 
 Files, rewritten as each row ends (a run cut at its limit keeps what it measured): OUT/gpu.json (the rows:
 the list bench/results/gpu.json keeps), OUT/gpu.md (the table with each row's ratio to the plain loop's best),
-OUT/profile.md, OUT/run.log. OUT is --out-dir, else $OUT, else outputs/bench/gpu_run/TIME. Work files (data, tuner
-directories) stay in --work-dir (outputs/bench/gpu_run/work).
+OUT/profile.md, OUT/run.log (with the last lines of any command that failed or was stopped). OUT is --out-dir,
+else $OUT, else outputs/bench/gpu_run/TIME. Work files (data, tuner directories: each phase's made afresh, as a
+warm machine keeps them between calls) stay in --work-dir (outputs/bench/gpu_run/work).
 
 CPU mode (--cpu): the same phases but liger (its kernels need CUDA) on shrunk configs of the same two families
 (64 wide, 2 layers, the real vocabularies and image processors), fp32, rows of 1,024 and 2,048 tokens, a few
@@ -56,6 +59,7 @@ import datetime
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,6 +79,7 @@ WORDS = [f"w{first}{second}" for first in "abcdefghij" for second in "abcdefghij
 MiB = 2**20
 ZERO_STAGE = {"z0": 0, "z1": 1, "z2": 2, "z3": 3, "z2_offload": 2, "z3_offload": 3}
 STOP_GRACE_S = 5
+LOG_TAIL_LINES = 30  # of a failed or stopped command's log, into run.log
 
 
 # ================================================================================ what is run
@@ -114,21 +119,23 @@ def gpu_phases() -> list[Phase]:
               overrides=(*two_b, *space("z0", "8", "false", "pad", None, 1024, 8))),
         Phase("packing", 90, qwen2, QWEN2_VL_2B,
               overrides=(*two_b, ROW_IMAGES, *space("z0", "1,2,4", "false", "pack", 8192, 8192, 8))),
-        Phase("liger", 60, qwen2, QWEN2_VL_2B,
-              overrides=(*two_b, ROW_IMAGES, LIGER, *space("z0", "1,2", "false", "pack", 8192, 8192, 8))),
-        # 2,304 holds the longest record (about 2,100 tokens) with room; the tuner plans the candidates from the
-        # records' lengths in the data cache it builds first (docs/tune.md).
-        Phase("padding", 90, qwen2, QWEN2_VL_2B,
-              overrides=(*two_b, *space("z0", "2,4,8", "false", "group,pad", None, 2304, 8))),
-        Phase("z2", 60, qwen2, QWEN2_VL_2B,
-              overrides=(*two_b, ROW_IMAGES, *space("z2", "2,4", "true", "pack", 8192, 8192, 8))),
         Phase("profile", 60, qwen2, QWEN2_VL_2B),  # the fastest launcher row so far, its step 3 profiled
+        # data.max_length 8,192 as the packing phase's, so its data cache serves here too (the length is in the
+        # cache's key); a padded row is as long as its batch's longest record (about 2,100 tokens) either way,
+        # and the tuner plans the candidates from the records in that cache (docs/tune.md).
+        Phase("padding", 90, qwen2, QWEN2_VL_2B,
+              overrides=(*two_b, *space("z0", "2,4,8", "false", "group,pad", None, 8192, 8))),
         Phase("lora7b", 75, qwen25, QWEN2_5_VL_7B, method="lora",
               overrides=(*seven_b, "method=lora", *space("z0", "1", "true", "pack", 16384, 16384, 4))),
-        Phase("z3_7b", 90, qwen25, QWEN2_5_VL_7B,
-              overrides=(*seven_b, *space("z3", "1", "true", "pack", 16384, 16384, 4))),
+        Phase("liger", 60, qwen2, QWEN2_VL_2B,
+              overrides=(*two_b, ROW_IMAGES, LIGER, *space("z0", "1,2", "false", "pack", 8192, 8192, 8))),
+        Phase("z2", 60, qwen2, QWEN2_VL_2B,
+              overrides=(*two_b, ROW_IMAGES, *space("z2", "2,4", "true", "pack", 8192, 8192, 8))),
         Phase("compile", 90, qwen2, QWEN2_VL_2B, data="fixed",  # the fixed row, each layer's MLP and norms compiled
               overrides=(*two_b, "model.compile=true", *space("z0", "8", "false", "pad", None, 1024, 8))),
+        # Planned at ~171 GiB: pruned on one GPU (`--plan`), so asked for by name only.
+        Phase("z3_7b", 90, qwen25, QWEN2_5_VL_7B,
+              overrides=(*seven_b, *space("z3", "1", "true", "pack", 16384, 16384, 4))),
         Phase("video16", 90, qwen2, QWEN2_VL_2B, data="video16",
               overrides=(*two_b, *VIDEO_LOADING, *space("z0", "1,2,4", "false", "pad", None, 2560, 4))),
         Phase("video64", 90, qwen2, QWEN2_VL_2B, data="video64",
@@ -142,8 +149,9 @@ def gpu_phases() -> list[Phase]:
 ROW_IMAGES = "data.pack_max_images=12"
 LIGER = "model.kernels=liger"
 
-# Video phases only when asked for (--phases): their call carries PyAV (bench/device_wheels.sh WITH_AV=1).
-ASKED_ONLY = ("video16", "video64")
+# Phases run only when asked for (--phases): the video phases' call carries PyAV (bench/device_wheels.sh
+# WITH_AV=1); z3_7b's one candidate is pruned on one GPU.
+ASKED_ONLY = ("z3_7b", "video16", "video64")
 VIDEO_LOADING = ("data.num_workers=4",)
 
 
@@ -164,9 +172,9 @@ def cpu_phases(small: dict[str, Path]) -> list[Phase]:
               overrides=(*two_b, *space("z0", "2", "false", "pad", None, 1024, 2))),
         Phase("packing", 10, qwen2, small["qwen2_vl"],
               overrides=(*two_b, ROW_IMAGES, *space("z0", "1", "false", "pack", 2048, 2048, 2))),
+        Phase("profile", 10, qwen2, small["qwen2_vl"]),
         Phase("padding", 10, qwen2, small["qwen2_vl"],
               overrides=(*two_b, *space("z0", "1", "false", "pad", None, 2048, 2))),
-        Phase("profile", 10, qwen2, small["qwen2_vl"]),
         Phase("lora7b", 10, qwen25, small["qwen2_5_vl"], method="lora",
               overrides=(*seven_b, "method=lora", *space("z0", "1", "false", "pack", 2048, 2048, 1))),
         Phase("compile", 10, qwen2, small["qwen2_vl"], data="fixed",
@@ -425,7 +433,10 @@ def write_atomic(path: Path, text: str) -> None:
 
 def run_until(run: Run, command: list[str], log: Path, limit_s: float, poll: Any = None) -> int | None:
     """Run a command in its own process group until it ends (its exit code) or `limit_s` passes (None: it
-    was stopped: SIGTERM to its group, SIGKILL after a grace). `poll()` runs every 2 s meanwhile."""
+    was stopped: SIGTERM to its group, SIGKILL after a grace). `poll()` runs every 2 s meanwhile. A command that
+    fails or is stopped leaves the last lines of its log in run.log: its log stays on the machine, only OUT
+    comes back."""
+    start = log.stat().st_size if log.is_file() else 0  # what an earlier call on a warm machine wrote there
     with log.open("a") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=run.env, cwd=ROOT,
                                    start_new_session=True)  # fmt: skip
@@ -447,6 +458,11 @@ def run_until(run: Run, command: list[str], log: Path, limit_s: float, poll: Any
                 process.wait()
     if poll is not None:
         poll()  # the rows it finished meanwhile
+    if stopped or process.returncode != 0:
+        with log.open("rb") as written:
+            written.seek(start)
+            tail = written.read().decode(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        run.log(f"the last {len(tail)} lines of {log.name}:\n" + "\n".join(f"  | {line}" for line in tail))
     return None if stopped else process.returncode
 
 
@@ -489,8 +505,15 @@ def run_tuner(run: Run, phase: Phase, data_overrides: list[str]) -> None:
 
     command = [sys.executable, "-m", "launcher.tune", *phase.overrides, *data_overrides, f"tune.dir={directory}",
                "tune.candidate_timeout_s=240", "logger=none"]  # fmt: skip
+    fresh_folder(directory)
     code = run_until(run, command, run.work / f"tune_{phase.name}.log", run.left(), poll)
     run.log(f"{phase.name}: launcher.tune {'stopped at the time limit' if code is None else f'exit {code}'}")
+
+
+def fresh_folder(directory: Path) -> None:
+    """An earlier call's tuning out of the way: a warm machine keeps the work folder between calls, and the
+    tuner refused its folder ("already holds a tuning") while its results.json gave this call's rows."""
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 SPACE_KEYS = ("tune.presets=", "tune.micro_batch_sizes=", "tune.gradient_checkpointing=", "tune.batching=",
@@ -523,6 +546,7 @@ def run_profile(run: Run, phases: dict[str, Phase], records: int) -> None:
     command = [sys.executable, "-m", "launcher.tune", *profile_overrides(best, phase),
                *write_data(run.work / "data", phase.data, records), f"tune.dir={directory}",
                "tune.candidate_timeout_s=240", "logger=none"]  # fmt: skip
+    fresh_folder(directory)
     code = run_until(run, command, run.work / "tune_profile.log", run.left())
     tables = sorted(directory.glob("runs/*/profile.md"))
     if tables:
@@ -629,8 +653,9 @@ def main() -> int:
     parser.add_argument("--records", type=int, default=None, help="records per data set (default 2,000; CPU 24)")
     parser.add_argument("--commit", default=None, help="the commit the rows name (default: git rev-parse HEAD)")
     parser.add_argument("--plan", type=float, default=None, metavar="GIB", help="train nothing: plan each tuner "
-                        "phase's candidates for a GPU of GIB (139: an H200), at data.max_length and from the "
-                        "records, as OUT/plan.md")  # fmt: skip
+                        "phase's candidates for a GPU of GIB, at data.max_length and from the records, as "
+                        "OUT/plan.md; the tuner's budget there is the memory less plan.headroom (10%%): about 126 on "
+                        "an H200 (139.8 GiB), 71 on an H100")  # fmt: skip
     parser.add_argument("--plan-override", action="append", default=[], metavar="KEY=VALUE",
                         help="with --plan: one train.py override more for each phase planned (repeatable)")  # fmt: skip
     args = parser.parse_args()
@@ -640,7 +665,9 @@ def main() -> int:
     work = args.work_dir or ROOT / "outputs" / "bench" / "gpu_run" / ("work-cpu" if args.cpu else "work")
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DS_SKIP_CUDA_CHECK": "1", "WANDB_MODE": "disabled"}
+    # Unbuffered: a child stopped at the time limit has its last lines in its log.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DS_SKIP_CUDA_CHECK": "1", "WANDB_MODE": "disabled",
+           "PYTHONUNBUFFERED": "1"}  # fmt: skip
     env.setdefault("VLM_LAUNCHER_CACHE", str(work / "cache"))
     planning = args.plan is not None
     installed = "this interpreter's packages" if args.cpu or planning else install_wheels(env)

@@ -148,7 +148,9 @@ def main() -> None:
         try:
             row = measure(model, config, optimizer, shape, args, device)
         except torch.OutOfMemoryError as err:
-            row = {"shape": shape, "status": "out of memory", "error": str(err).splitlines()[0], **peak_memory(device)}
+            rows, length = (int(part) for part in shape.lower().split("x"))  # which shape did not fit, in the row
+            row = {"shape": shape, "micro_batch": rows, "seq_len": length, "status": "out of memory",
+                   "error": str(err).splitlines()[0], **peak_memory(device)}  # fmt: skip
         row.update(parameters=params, model_type=config.model_type, dtype=args.dtype, build_s=build_s)
         with args.out.open("a") as out:
             out.write(json.dumps(row) + "\n")

@@ -6,9 +6,12 @@ phase (issue 43) runs on its 4-frame clips of 224 px, taken as videos by the rea
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -23,10 +26,24 @@ ROW_KEYS = {
 }  # fmt: skip
 
 
+def stale_tuning(directory, candidate: str) -> None:
+    """What an earlier call on a warm machine left in a phase's folder: a finished tuning with one row."""
+    directory.mkdir(parents=True)
+    (directory / "tune.md").write_text("# an earlier call's tuning\n")
+    row = {"name": candidate, "status": "fits", "tokens_per_s": 1.0, "mfu": 0.5, "peak": 2**20, "planned": 2**20,
+           "candidate": {"preset": "z0", "micro": 9, "checkpointing": False, "batching": "pack"}}  # fmt: skip
+    (directory / "results.json").write_text(json.dumps([row]))
+    (directory / "runs" / candidate).mkdir(parents=True)
+    (directory / "runs" / candidate / "profile.md").write_text("# an earlier call's profile\n")
+
+
 def test_the_rehearsal_writes_a_plain_loop_row_then_the_launchers_rows_with_their_plans(isolated_env, tmp_path):
-    out = tmp_path / "out"
+    out, work = tmp_path / "out", tmp_path / "work"
+    # A warm machine keeps the work folder between calls: this call's rows must be its own.
+    for phase in ("packing", "profile"):
+        stale_tuning(work / f"tune_{phase}", "stale-candidate")
     done = subprocess.run(
-        [sys.executable, "bench/gpu_run.py", "--cpu", "--out-dir", str(out), "--work-dir", str(tmp_path / "work"),
+        [sys.executable, "bench/gpu_run.py", "--cpu", "--out-dir", str(out), "--work-dir", str(work),
          "--phases", "plain", "packing", "profile", "lora7b", "video16", "--records", "16", "--commit", "abc123"],
         cwd=ROOT, env=isolated_env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -34,6 +51,7 @@ def test_the_rehearsal_writes_a_plain_loop_row_then_the_launchers_rows_with_thei
     assert {path.name for path in out.iterdir()} == {"gpu.json", "gpu.md", "profile.md", "run.log"}
     rows = json.loads((out / "gpu.json").read_text())
     assert all(set(row) >= ROW_KEYS for row in rows)
+    assert not any(row.get("candidate") == "stale-candidate" for row in rows)
     assert all(row["commit"] == "abc123" and row["real_shape"] is False for row in rows)
     # The plain loop comes first, with no launcher in it: its rows have no plan and no data loading.
     plain = [row for row in rows if row["runner"] == "plain-loop"]
@@ -59,6 +77,7 @@ def test_the_rehearsal_writes_a_plain_loop_row_then_the_launchers_rows_with_thei
     profile = (out / "profile.md").read_text()
     assert f"The fastest launcher row: {fastest['candidate']} ({fastest['phase']})" in profile
     assert "# Where steps 3-3 went (rank 0)" in profile and "| matmuls |" in profile and "| idle |" in profile
+    assert "earlier call" not in profile and "\n  | " not in (out / "run.log").read_text()  # no command failed
 
 
 def test_its_plan_mode_plans_each_tuner_phase_at_data_max_length_and_from_the_records(isolated_env, tmp_path):
@@ -83,3 +102,22 @@ def test_its_plan_mode_plans_each_tuner_phase_at_data_max_length_and_from_the_re
     # A packed phase's rows, as its candidates would train them: how full, how many images each holds.
     assert lines[4] == "" and lines[5].startswith("- packing: ") and "(data.pack_max_images=12)" in lines[5]
     assert "candidates are planned from their lengths" in (out / "run.log").read_text()
+
+
+def test_a_command_that_fails_leaves_its_last_lines_in_run_log_and_not_an_earlier_calls(tmp_path, monkeypatch):
+    """Only OUT comes back from the GPU machine: a phase's own log stays there, so its end goes into run.log."""
+    spec = importlib.util.spec_from_file_location("gpu_run", ROOT / "bench" / "gpu_run.py")
+    gpu_run = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_run", gpu_run)  # its dataclasses look their module up there
+    spec.loader.exec_module(gpu_run)
+    out, log = tmp_path / "out", tmp_path / "tune_fixed.log"
+    out.mkdir()
+    log.write_text("an earlier call's line\n")
+    run = gpu_run.Run(out, tmp_path, time.time() + 60, dict(os.environ), {})
+    failing = "import sys; print('\\n'.join(f'line {i}' for i in range(40))); sys.exit('error: the reason')"
+    assert gpu_run.run_until(run, [sys.executable, "-c", failing], log, 30) == 1
+    tail = (out / "run.log").read_text().splitlines()
+    assert tail[0].endswith("the last 30 lines of tune_fixed.log:") and len(tail) == 31
+    assert tail[1] == "  | line 11" and tail[-1] == "  | error: the reason"
+    assert gpu_run.run_until(run, [sys.executable, "-c", "print('fine')"], log, 30) == 0
+    assert len((out / "run.log").read_text().splitlines()) == 31  # a command that succeeds adds nothing
