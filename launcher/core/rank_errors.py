@@ -1,8 +1,10 @@
 """How the ranks of a job failed: one record per failing rank, and the one line the user sees.
 
 Every rank that fails writes `errors/rank<R>.json` (its one line for the user, exit code, time) and
-`rank<R>.txt` (its traceback). When one rank crashes, the others fail soon after on the broken
-connection; the earliest record is the cause, and the launcher shows that one line only.
+`rank<R>.txt` (its traceback). When one rank crashes, the others fail soon after (torch's and DeepSpeed's
+launchers stop them, gloo peers see the broken connection; NCCL peers under SLURM wait for their timeouts
+unless srun ends them: docs/multinode.md); the earliest record is the cause, and the launcher shows that one
+line only.
 
 A rank that dies by a signal (SIGABRT from gloo or NCCL, the out-of-memory killer's SIGKILL) records
 nothing; its `errors/rank<R>.in_step` file, rewritten in place as each train step starts and ends

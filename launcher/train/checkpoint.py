@@ -210,6 +210,23 @@ def _write_failure_message(where: Path, err: BaseException, what: str = "checkpo
     )
 
 
+def own_optimizer_steps(engine: Any) -> None:
+    """After DeepSpeed loads a universal checkpoint: every parameter's optimizer step a tensor of its own, where
+    torch's optimizer keeps it (on the parameter's device for a fused or capturable one, as its own
+    load_state_dict places it). DeepSpeed gives every state the one CPU tensor it read: ZeRO-3, which steps its
+    sub-groups one at a time, advanced it once per sub-group a step, and a fused AdamW on a GPU reads its
+    steps there."""
+    optimizer = getattr(engine.optimizer, "optimizer", None)  # torch's (or DeepSpeed's CPU Adam) under ZeRO's
+    if optimizer is None:
+        return
+    on_device = any(group.get("fused") or group.get("capturable") for group in optimizer.param_groups)
+    for param, state in optimizer.state.items():  # ZeRO-3 empties the groups' params between steps: not them
+        step = state.get("step")
+        if torch.is_tensor(step):
+            where = param.device if on_device else step.device
+            state["step"] = step.to(where, dtype=torch.float32, copy=True)
+
+
 def load(
     engine: Any, run_dir: RunDir, tag: str, reshard: Reshard | None = None
 ) -> tuple[int, DataPosition, dict[str, Any] | None]:
@@ -230,6 +247,7 @@ def load(
                 path, _ = engine.load_checkpoint(
                     str(source.parent), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
                 )
+                own_optimizer_steps(engine)
         else:
             path, _ = engine.load_checkpoint(
                 str(run_dir.checkpoints), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True

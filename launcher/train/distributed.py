@@ -14,9 +14,11 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 
+from launcher.core.errors import LauncherError
 from launcher.job.spec import Job
 from launcher.train.ops import prepare_ops
 
@@ -55,7 +57,7 @@ def init_distributed(job: Job) -> tuple[Rank, bool]:
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=int(job.config.dist.timeout_s)))
     device = torch.device("cpu")
     if accelerator.device_name() == "cuda":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_rank = gpu_index(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count())
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         cap_gb = os.environ.get(CUDA_MEMORY_CAP_ENV)
@@ -63,6 +65,20 @@ def init_distributed(job: Job) -> tuple[Rank, bool]:
             total = torch.cuda.get_device_properties(local_rank).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, float(cap_gb) * 2**30 / total), local_rank)
     return Rank(torch.distributed.get_rank(), torch.distributed.get_world_size(), device), created
+
+
+def gpu_index(local_rank: int, visible: int) -> int:
+    """The GPU a rank takes: its LOCAL_RANK's among the GPUs it sees, or the only one it sees (SLURM binding one
+    GPU to each task, `--gpus-per-task=1` or `--gpu-bind`, while LOCAL_RANK still counts the node's tasks)."""
+    if local_rank < visible:
+        return local_rank
+    if visible == 1:
+        return 0
+    raise LauncherError(
+        f"LOCAL_RANK={local_rank}, but this rank sees {visible} GPUs (CUDA_VISIBLE_DEVICES="
+        f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): start at most one rank per GPU it can see "
+        "(dist.nproc_per_node), or give each rank one GPU"
+    )
 
 
 def _quiet_libraries() -> None:
@@ -76,10 +92,19 @@ def _quiet_libraries() -> None:
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     """The values summed over the ranks (one collective; none on one rank)."""
-    if torch.distributed.get_world_size() == 1:
+    return _all_reduce(values, device, torch.distributed.ReduceOp.SUM)
+
+
+def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
+    """Each value at its largest over the ranks (one collective; none on one rank)."""
+    return _all_reduce(values, device, torch.distributed.ReduceOp.MAX)
+
+
+def _all_reduce(values: list[float], device: torch.device, op: Any) -> list[float]:
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
         return list(values)
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(tensor)
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)  # exact for integers below 2^53
+    torch.distributed.all_reduce(tensor, op=op)
     return tensor.tolist()
 
 

@@ -14,6 +14,9 @@ reading holds, side by side:
 - `mem/pinned_host_bytes` (GPU): the peak of page-locked host memory torch's host allocator handed
   out (DeepSpeed's offload buffers and a pinned DataLoader's batches go through it).
 - `mem/host_peak_bytes`: the process's peak resident set size (where offloaded states live).
+
+Each figure is the largest over the ranks: they hold different batches (lengths, images), so their peaks
+differ, and the job fits only if the largest does.
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ def pinned_host_bytes(stats: dict[str, Any]) -> int | None:
     return None
 
 
+FIGURES = (PEAK, PEAK_ALLOCATED, DEVICE_USED, PINNED_HOST, HOST_PEAK)  # one order on every rank
+
+
 class MemoryMeter:
     """Reads the figures above after each step; device use is a running maximum over readings."""
 
@@ -58,6 +64,15 @@ class MemoryMeter:
         self.device_used_max = 0
 
     def read(self) -> dict[str, int]:
+        """The figures at their largest over the ranks (collective: every rank calls it)."""
+        from launcher.train.distributed import all_reduce_max
+
+        own = self.read_own()
+        largest = all_reduce_max([float(own.get(key, -1)) for key in FIGURES], self.device)
+        return {key: int(value) for key, value in zip(FIGURES, largest, strict=True) if value >= 0}
+
+    def read_own(self) -> dict[str, int]:
+        """This rank's figures."""
         host = host_peak_bytes()
         if getattr(self.device, "type", "cpu") != "cuda":
             return {PEAK: host, HOST_PEAK: host}

@@ -288,8 +288,10 @@ def next_stage(run: Run, step: int) -> None:
     ended, stage, began = run.stage, stage_at(run.job.stages, step), time.time()
     path = run.run_dir.inside(run.run_dir.stage_model(ended.name))
     save_model(run.engine, path, run.rank.is_main)
+    run.profiler.vision = []  # the ended stage's tower: held here it kept its trained weights alive
     release(run.engine)
     run.engine = build_engine(run.job, run.rank, run.summary, stage=stage, path=str(path))
+    run.profiler.vision = vision_modules(run.engine)  # a profile in this stage scopes this tower
     engine_built(run.job, run.engine, stage, run.summary)
     run.marker = checkpoint_marker(run.job, run.engine, run.rank, run.summary, stage)
     run.state.flops = flop_model(run.engine)

@@ -128,8 +128,15 @@ def resume_on_two_ranks(env: dict[str, str], run_dir: Path, *shape: str) -> list
         ("two_ranks_z3", ["dist.nproc_per_node=1", "deepspeed=z2"]),
         ("one_rank_z0", ["dist.nproc_per_node=2", "deepspeed=z1"]),
         ("two_ranks_z3", ["dist.nproc_per_node=2", "deepspeed=z3_offload"]),  # CPU Adam from torch's AdamW
+        # Several sub-groups, each stepped on its own: DeepSpeed gave them all one step tensor, advanced per group.
+        ("one_rank_z0", ["dist.nproc_per_node=1", "deepspeed=z3", "zero.sub_group_size=50000"]),
     ],
-    ids=["2 ranks ZeRO-3 to 1 rank ZeRO-2", "1 rank ZeRO-0 to 2 ranks ZeRO-1", "ZeRO-3 to ZeRO-3 offloaded"],
+    ids=[
+        "2 ranks ZeRO-3 to 1 rank ZeRO-2",
+        "1 rank ZeRO-0 to 2 ranks ZeRO-1",
+        "ZeRO-3 to ZeRO-3 offloaded",
+        "1 rank ZeRO-0 to 1 rank ZeRO-3 in sub-groups",
+    ],
 )
 def test_a_run_resumes_on_another_world_size_and_stage_with_the_same_losses(
     request, train_in_process, env, tmp_path, saved, resumed_on

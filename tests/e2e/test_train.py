@@ -107,11 +107,15 @@ def test_a_short_run_prints_its_plan_progress_and_one_summary(run_train, tmp_pat
     progress and one summary, at most 15 lines, once per run however many ranks; the libraries' lines
     (DeepSpeed's, W&B's, transformers' bars, the compiler probe) go to train.log at most. It was 59."""
     run_dir = tmp_path / "run"
-    # WANDB_SILENT unset, as for a user (the fixture silences W&B for the other tests).
-    result = run_train(
-        "train.max_steps=5", f"dist.nproc_per_node={nproc}", f"hydra.run.dir={run_dir}", env={"WANDB_SILENT": None}
-    )
+    # WANDB_SILENT unset, as for a user (the fixture silences W&B for the other tests). On 2 ranks, rank 1 holds
+    # 400 MiB more from step 3: the memory figures rank 0 writes are the largest rank's.
+    extra = {"WANDB_SILENT": None, FAULT_ENV: "1:3:alloc=400" if nproc == 2 else None}
+    result = run_train("train.max_steps=5", f"dist.nproc_per_node={nproc}", f"hydra.run.dir={run_dir}", env=extra)
     succeeded(result)
+    if nproc == 2:
+        peaks = [row["mem/peak_bytes"] for row in read_metrics(run_dir)]
+        assert peaks[2] - peaks[1] >= 300 * 2**20, peaks  # rank 1's ballast (rank 0's own peak barely moves)
+        assert read_summary(run_dir)["peak_memory_bytes"] >= peaks[2]
     lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
     shown = "\n".join(lines)
     assert len(lines) <= 15, shown

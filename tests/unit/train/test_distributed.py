@@ -82,3 +82,13 @@ def test_two_ranks_sum_over_the_group_and_rank_zero_builds_first(tmp_path):
     assert [process.returncode for process in ranks] == [0, 0], [err[-2000:] for _, err in outputs]
     assert outputs[0][0].splitlines() == ["[3.0, 2.0]"]
     assert outputs[1][0].splitlines() == ["[3.0, 2.0]", "built"]  # rank 0's block had ended
+
+
+def test_a_rank_takes_its_local_ranks_gpu_or_the_only_one_it_sees():
+    from launcher.core.errors import LauncherError
+    from launcher.train.distributed import gpu_index
+
+    assert [gpu_index(local, 8) for local in (0, 3, 7)] == [0, 3, 7]  # torchrun, DeepSpeed's launcher: all GPUs
+    assert gpu_index(5, 1) == 0  # SLURM with one GPU bound to each task: LOCAL_RANK still counts the tasks
+    with pytest.raises(LauncherError, match=r"LOCAL_RANK=4, but this rank sees 2 GPUs .*dist.nproc_per_node"):
+        gpu_index(4, 2)

@@ -109,6 +109,19 @@ def test_a_resume_refuses_a_schedule_that_changes_steps_already_run(train_in_pro
     assert again.summary()["stages"][1]["lr"] == 5e-4
 
 
+def test_a_profile_in_the_second_stage_sees_that_stages_vision_tower(train_in_process):
+    """The profiler follows the engine a stage builds: it held the first stage's vision tower (and so, under
+    ZeRO-1/2, that stage's whole flat buffer of trained weights) and hooked it, so the second stage's tower
+    ran outside the vision scope."""
+    ran = train_in_process(
+        "train.max_steps=4", "train.eval_every=0", "logger=none", "data.n_train=64", "data.n_eval=16",
+        "train.stages=[{steps: 2, train: [projector]}, {name: full, train: [projector, language]}]",
+        "train.profile_steps=[3,4]", "data.eval_accuracy=false",
+    )  # fmt: skip
+    assert ran.outcome.status == "completed", ran.error
+    assert ran.summary()["profile"]["attention (vision, forward)"] > 0
+
+
 def test_the_quick_job_is_unchanged_without_stages(quick_run):
     assert "stages" not in quick_run.summary()
     assert all("train/stage" not in row for row in read_metrics(quick_run.run_dir))
