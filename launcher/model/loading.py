@@ -178,14 +178,15 @@ def set_pixel_limits(processor, *, min_pixels: int | None, max_pixels: int | Non
     the number of image tokens follows. Whichever limit is given wins when it crosses the other one."""
     if min_pixels is None and max_pixels is None:
         return
-    image_processor = processor.image_processor
-    size = image_processor.size
     limits = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
     limits = {key: int(value) for key, value in limits.items() if value is not None}
-    if dataclasses.is_dataclass(size):
-        image_processor.size = dataclasses.replace(size, **limits)
-    else:
-        image_processor.size = {**size, **limits}
+    # A video's frames too: without torchvision the image processor makes them (launcher.data.video.video_inputs),
+    # with it the processor's own video processor, which keeps a size of its own.
+    for part in (processor.image_processor, getattr(processor, "video_processor", None)):
+        if part is None:
+            continue
+        size = part.size
+        part.size = dataclasses.replace(size, **limits) if dataclasses.is_dataclass(size) else {**size, **limits}
 
 
 # ----------------------------------------------------------------------------- attention and checkpointing
@@ -327,19 +328,18 @@ def _load_processor(path_or_hub_id: str, config):
     try:
         return AutoProcessor.from_pretrained(path_or_hub_id)
     except (ImportError, OSError) as error:
-        # Qwen2-VL and relatives ask for a video processor, which needs torchvision. Images are all
-        # this launcher feeds, so without torchvision load the same processor without its video half.
+        # Qwen2-VL and relatives ask for a video processor, which needs torchvision, and which a directory saved
+        # without it lacks (a random build, a run's model/ trained where torchvision was missing): AutoProcessor
+        # then fails even where torchvision is installed. Load the same processor without its video half (the
+        # launcher makes a video's pixels with the image processor: launcher.data.video.video_inputs).
         processor_class = PROCESSOR_MAPPING.get(type(config), None)
-        if (
-            processor_class is None
-            or "video_processor" not in processor_class.get_attributes()
-            or importlib.util.find_spec("torchvision") is not None
-        ):
-            raise LauncherError(
-                f"model.path={path_or_hub_id}: cannot load its processor ({one_line(error, limit=200)}); the directory "
-                "needs the processor's files too (tokenizer, processor_config.json: processor.save_pretrained)"
-            ) from error
-        return without_video_processor(processor_class).from_pretrained(path_or_hub_id)
+        if processor_class is not None and "video_processor" in processor_class.get_attributes():
+            with contextlib.suppress(ImportError, OSError):
+                return without_video_processor(processor_class).from_pretrained(path_or_hub_id)
+        raise LauncherError(
+            f"model.path={path_or_hub_id}: cannot load its processor ({one_line(error, limit=200)}); the directory "
+            "needs the processor's files too (tokenizer, processor_config.json: processor.save_pretrained)"
+        ) from error
 
 
 def text_hidden_size(config) -> int:
