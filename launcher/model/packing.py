@@ -135,8 +135,12 @@ PACKED_BOUNDS = "packed_bounds"  # the model-call keyword with the sequences' bo
 def varlen_bounds(spans: list[list[int]], width: int) -> torch.Tensor:
     """Where each record (and each row's padding, a sequence of its own) starts in the batch flattened to
     rows x width positions, and where the last ends: the varlen kernel's cu_seqlens, int32."""
-    lengths = [n for row in spans for n in [*row, width - sum(row)] if n]
-    return torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return torch.tensor([0, *_sequences(spans, width)], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+
+def _sequences(spans: list[list[int]], width: int) -> list[int]:
+    """Each record's length and each row's padding (a sequence of its own), row by row."""
+    return [n for row in spans for n in [*row, width - sum(row)] if n]
 
 
 def _varlen_kernel() -> Any:
@@ -168,7 +172,7 @@ def packed_varlen_attention(
     if bounds is None:  # a call from outside the training step (packed_inputs makes them once a batch)
         bounds = varlen_bounds(spans, width)
     bounds = bounds.to(query.device)  # nothing to do when it came with the batch
-    longest = max(n for row in spans for n in [*row, width - sum(row)])
+    longest = max(_sequences(spans, width))
 
     def flat(tensor: torch.Tensor) -> torch.Tensor:  # [rows, heads, width, dim] -> [rows x width, heads, dim]
         return tensor.transpose(1, 2).reshape(rows * width, tensor.shape[1], dim)
